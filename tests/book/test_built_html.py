@@ -1,0 +1,115 @@
+"""Checks of the built HTML: every chapter is there, nothing loads from another host, links resolve."""
+
+from __future__ import annotations
+
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class _Refs(HTMLParser):
+    """Collect (tag, attribute, value) for every src/href, and every id on the page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[tuple[str, str, str]] = []
+        self.ids: set[str] = set()
+
+    def handle_starttag(self, tag, attrs):
+        for name, value in attrs:
+            if value is None:
+                continue
+            if name in ("src", "href") or (tag == "link" and name == "href"):
+                self.refs.append((tag, name, value))
+            if name == "id":
+                self.ids.add(value)
+
+
+def _parse(page: Path) -> _Refs:
+    parser = _Refs()
+    parser.feed(page.read_text(encoding="utf-8"))
+    return parser
+
+
+def _is_external(url: str) -> bool:
+    url = url.strip()
+    return url.startswith("//") or bool(re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", url))
+
+
+def _toc_files() -> list[str]:
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]]
+    for part in toc.get("parts", []):
+        for chapter in part.get("chapters", []):
+            files.append(chapter["file"])
+    return files
+
+
+def test_every_toc_entry_was_built(html_dir):
+    missing = [f for f in _toc_files() if not (html_dir / f"{f}.html").exists()]
+    assert not missing, f"pages listed in _toc.yml but not built: {missing}"
+
+
+def test_every_chapter_notebook_is_in_the_toc():
+    listed = set(_toc_files())
+    notebooks = {f"chapters/{p.stem}" for p in (ROOT / "chapters").glob("*.ipynb")}
+    assert notebooks <= listed, f"notebooks not in _toc.yml: {sorted(notebooks - listed)}"
+
+
+def test_no_page_loads_anything_from_another_host(html_pages):
+    offenders = []
+    for page in html_pages:
+        for tag, attr, value in _parse(page).refs:
+            if tag in ("script", "link", "img", "iframe", "source", "video", "audio", "embed") and _is_external(value):
+                offenders.append(f"{page.name}: <{tag} {attr}={value!r}>")
+    assert not offenders, "built pages load resources from other hosts:\n" + "\n".join(offenders)
+
+
+def test_no_stylesheet_or_script_names_another_host(html_dir):
+    # CSS @import / url() and JS loaders could fetch from a CDN even when the HTML does not.
+    pattern = re.compile(r"""(?:@import\s+|url\()\s*['"]?(https?:)?//""")
+    offenders = [
+        str(p.relative_to(html_dir))
+        for p in html_dir.rglob("*.css")
+        if pattern.search(p.read_text(encoding="utf-8", errors="ignore"))
+    ]
+    assert not offenders, f"stylesheets that import from other hosts: {offenders}"
+
+
+def test_mathjax_is_served_locally(html_dir):
+    page = (html_dir / "chapters" / "01_single_head.html")
+    scripts = [v for t, a, v in _parse(page).refs if t == "script" and "mathjax" in v.lower()]
+    assert scripts, "no MathJax script on the chapter page"
+    for src in scripts:
+        target = (page.parent / unquote(urlsplit(src).path)).resolve()
+        assert target.is_file(), f"MathJax script {src} is not in the built book"
+
+
+def test_internal_links_resolve(html_pages, html_dir):
+    ids_cache: dict[Path, set[str]] = {}
+    broken = []
+    for page in html_pages:
+        for tag, attr, value in _parse(page).refs:
+            if _is_external(value) or value.startswith(("mailto:", "javascript:", "data:")):
+                continue
+            parts = urlsplit(value)
+            target = page if not parts.path else (page.parent / unquote(parts.path)).resolve()
+            if not target.exists():
+                broken.append(f"{page.relative_to(html_dir)}: {value}")
+                continue
+            if parts.fragment and target.suffix == ".html" and tag == "a":
+                if target not in ids_cache:
+                    ids_cache[target] = _parse(target).ids
+                if parts.fragment not in ids_cache[target]:
+                    broken.append(f"{page.relative_to(html_dir)}: {value} (no such anchor)")
+    assert not broken, "broken internal links:\n" + "\n".join(broken[:50])
+
+
+def test_no_error_output_in_built_pages(html_pages):
+    offenders = [p.name for p in html_pages if "Traceback (most recent call last)" in p.read_text(encoding="utf-8")]
+    assert not offenders, f"pages that show a Python traceback: {offenders}"
