@@ -39,7 +39,7 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest tests --ignore=tests/book
 
 nbval: $(STAMP)
-	$(BIN)/python -m pytest --nbval --nbval-current-env -p no:randomly chapters
+	$(BIN)/python -m pytest --nbval --nbval-current-env chapters
 
 html-checks: $(STAMP)
 	$(BIN)/python -m pytest tests/book

@@ -92,3 +92,189 @@ def plot_head_grid(
         fig.suptitle(suptitle)
     fig.tight_layout()
     return fig
+
+
+def plot_mask(
+    mask: ArrayLike,
+    ax: Axes | None = None,
+    *,
+    queries: Sequence[str] | None = None,
+    keys: Sequence[str] | None = None,
+    title: str | None = None,
+    true_means: str = "may attend",
+    false_means: str = "blocked",
+) -> Axes:
+    """Draw one boolean (T_q, T_k) mask: dark cell = True, light cell = False.
+
+    ``true_means`` / ``false_means`` label the two colours in a legend, because the
+    meaning of True depends on the library (True = may attend in the NumPy reference and in
+    ``F.scaled_dot_product_attention``; True = blocked in ``torch.nn.MultiheadAttention``).
+    A (T_k,) mask (one row of key padding) is drawn as a single row.
+    """
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    mask = np.asarray(mask)
+    if mask.dtype != bool:
+        raise TypeError(f"mask must be a boolean array, got dtype {mask.dtype}")
+    if mask.ndim == 1:
+        mask = mask[None, :]
+    if mask.ndim != 2:
+        raise ValueError(f"mask must have shape (T_q, T_k) or (T_k,), got shape {mask.shape}")
+    t_q, t_k = mask.shape
+    if ax is None:
+        _, ax = plt.subplots(figsize=(0.8 + 0.4 * t_k, 1.2 + 0.4 * t_q))
+    colours = ["#eeeeee", "#2b5c8a"]  # False, True
+    ax.imshow(mask.astype(int), cmap=ListedColormap(colours), vmin=0, vmax=1, aspect="equal")
+    ax.set_xticks(range(t_k), keys if keys is not None else range(t_k))
+    ax.set_yticks(range(t_q), queries if queries is not None else range(t_q))
+    ax.set_xticks(np.arange(-0.5, t_k, 1.0), minor=True)
+    ax.set_yticks(np.arange(-0.5, t_q, 1.0), minor=True)
+    ax.grid(which="minor", color="white", linewidth=1.0)
+    ax.tick_params(which="minor", length=0)
+    ax.set_xlabel("key")
+    ax.set_ylabel("query")
+    if title:
+        ax.set_title(title)
+    handles = [Patch(facecolor=colours[1], label=f"True = {true_means}"),
+               Patch(facecolor=colours[0], edgecolor="#999999", label=f"False = {false_means}")]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 if t_q > 1 else -1.2),
+              ncol=1, fontsize=7, frameon=False)
+    return ax
+
+
+_FLOW_HEAD_CMAPS = ("Blues", "Oranges", "Greens", "Purples", "Reds", "YlOrBr")
+
+
+def _flow_box(ax: Axes, values: np.ndarray, x0: float, y0: float, cmap: str, edge: str,
+                 vmin: float | None = None, vmax: float | None = None) -> None:
+    """Draw ``values`` (rows, cols) as a heatmap filling the box [x0, x0 + cols] x [y0, y0 + rows]."""
+    rows, cols = values.shape
+    if vmin is None or vmax is None:
+        bound = float(np.max(np.abs(values))) or 1.0
+        vmin, vmax = -bound, bound
+    ax.imshow(values, cmap=cmap, vmin=vmin, vmax=vmax, alpha=0.85,
+              extent=(x0, x0 + cols, y0, y0 + rows), origin="upper", interpolation="nearest", zorder=1)
+    ax.add_patch(plt.Rectangle((x0, y0), cols, rows, fill=False, edgecolor=edge, linewidth=1.5, zorder=2))
+
+
+def _flow_label(ax: Axes, name: str, shape: tuple[int, ...], x: float, y: float, color: str = "black") -> None:
+    """Write ``name`` and its shape in two lines, centred under a box whose bottom edge is at ``y``."""
+    ax.text(x, y - 0.3, f"{name}\n{shape[0]}×{shape[1]}", ha="center", va="top", fontsize=7, color=color,
+            linespacing=1.1)
+
+
+def _flow_arrow(ax: Axes, start: tuple[float, float], end: tuple[float, float], text: str = "",
+           color: str = "0.3") -> None:
+    ax.annotate("", xy=end, xytext=start,
+                arrowprops={"arrowstyle": "->", "color": color, "linewidth": 1.2, "shrinkA": 2, "shrinkB": 2})
+    if text:
+        ax.text((start[0] + end[0]) / 2, (start[1] + end[1]) / 2 + 0.4, text, ha="center", va="bottom",
+                fontsize=7, color=color)
+
+
+def plot_head_flow(
+    x: ArrayLike,
+    queries: Sequence[ArrayLike],
+    keys: Sequence[ArrayLike],
+    values: Sequence[ArrayLike],
+    weights: Sequence[ArrayLike],
+    heads: Sequence[ArrayLike],
+    concat: ArrayLike,
+    output: ArrayLike,
+    *,
+    title: str | None = None,
+) -> Figure:
+    """Draw multi-head self-attention, head by head, from the real arrays of one forward pass.
+
+    Every matrix is a box whose width and height are its number of columns and rows (one cell
+    per entry, coloured by value), so the picture shows the shapes exactly:
+    ``x`` (T, D) -> per head ``queries[i]``, ``keys[i]``, ``values[i]`` (T, d_k) -> ``weights[i]``
+    (T, T) -> ``heads[i]`` (T, d_k) -> ``concat`` (T, H * d_k) -> ``output`` (T, D_out).
+    Each head has its own colour, also in its slice of ``concat``; ``output`` is grey because
+    ``W_O`` mixes the heads.
+    """
+    x = np.asarray(x, dtype=float)
+    concat = np.asarray(concat, dtype=float)
+    output = np.asarray(output, dtype=float)
+    per_head = {name: [np.asarray(a, dtype=float) for a in arrays] for name, arrays in
+                (("queries", queries), ("keys", keys), ("values", values), ("weights", weights), ("heads", heads))}
+    n_heads = len(per_head["queries"])
+    if n_heads == 0 or any(len(arrays) != n_heads for arrays in per_head.values()):
+        raise ValueError("queries, keys, values, weights and heads must be non-empty and of the same length, got "
+                         + ", ".join(f"{name} {len(arrays)}" for name, arrays in per_head.items()))
+    if x.ndim != 2:
+        raise ValueError(f"x must have shape (T, D), got shape {x.shape}")
+    t, d_model = x.shape
+    for name, arrays in per_head.items():
+        for i, array in enumerate(arrays):
+            cols_ok = array.shape[1] == t if name == "weights" else True
+            if array.ndim != 2 or array.shape[0] != t or not cols_ok:
+                expected = f"({t}, {t})" if name == "weights" else f"({t}, d)"
+                raise ValueError(f"{name}[{i}] must have shape {expected}, got shape {array.shape}")
+    widths = [h.shape[1] for h in per_head["heads"]]
+    if concat.shape != (t, sum(widths)):
+        raise ValueError(f"concat must have shape ({t}, {sum(widths)}), got shape {concat.shape}")
+    if output.ndim != 2 or output.shape[0] != t:
+        raise ValueError(f"output must have shape ({t}, D_out), got shape {output.shape}")
+
+    gap = 3.0  # empty cells between boxes
+    band = t + gap + 2.0  # height of one head's band, two-line labels included
+    total_height = n_heads * band - gap
+    mid_y = total_height / 2 - t / 2  # y of the boxes that are shared by all heads
+
+    qkv_x = d_model + 2 * gap
+    qkv_width = max(q.shape[1] + k.shape[1] + v.shape[1] for q, k, v in
+                    zip(per_head["queries"], per_head["keys"], per_head["values"])) + 2
+    weights_x = qkv_x + qkv_width + 2 * gap
+    heads_x = weights_x + t + 2 * gap
+    concat_x = heads_x + max(widths) + 2 * gap
+    output_x = concat_x + concat.shape[1] + 2 * gap
+    width_units, height_units = output_x + output.shape[1] + 1.0, total_height + 5.0
+    fig, ax = plt.subplots(figsize=(11, 0.6 + 11 * height_units / width_units))
+    _flow_box(ax, x, 0, mid_y, "Greys", "0.2")
+    _flow_label(ax, "X", x.shape, d_model / 2, mid_y)
+
+    offset = 0
+    for i in range(n_heads):
+        cmap = _FLOW_HEAD_CMAPS[i % len(_FLOW_HEAD_CMAPS)]
+        color = plt.get_cmap(cmap)(0.8)
+        y0 = (n_heads - 1 - i) * band
+        q, k, v = per_head["queries"][i], per_head["keys"][i], per_head["values"][i]
+        cursor = qkv_x
+        for name, array in (("Q", q), ("K", k), ("V", v)):
+            _flow_box(ax, array, cursor, y0, cmap, color)
+            _flow_label(ax, f"{name}{i}", array.shape, cursor + array.shape[1] / 2, y0, color)
+            cursor += array.shape[1] + 1
+        ax.text((qkv_x + cursor - 1) / 2, y0 + t + 0.3, f"X @ W_Q{i}, X @ W_K{i}, X @ W_V{i}", ha="center",
+                va="bottom", fontsize=7, color=color)
+        _flow_arrow(ax, (d_model, mid_y + t / 2), (qkv_x, y0 + t / 2), "", color)
+        _flow_box(ax, per_head["weights"][i], weights_x, y0, cmap, color, vmin=0.0, vmax=1.0)
+        _flow_label(ax, f"weights{i}", (t, t), weights_x + t / 2, y0, color)
+        _flow_arrow(ax, (cursor - 1, y0 + t / 2), (weights_x, y0 + t / 2), "softmax", color)
+        head = per_head["heads"][i]
+        _flow_box(ax, head, heads_x, y0, cmap, color)
+        _flow_label(ax, f"head{i}", head.shape, heads_x + head.shape[1] / 2, y0, color)
+        _flow_arrow(ax, (weights_x + t, y0 + t / 2), (heads_x, y0 + t / 2), "@ V", color)
+        _flow_box(ax, concat[:, offset:offset + widths[i]], concat_x + offset, mid_y, cmap, color)
+        head_mid = y0 + t / 2
+        if head_mid > mid_y + t:  # band above the concat box: arrive at the top of this head's slice
+            target = (concat_x + offset + widths[i] / 2, mid_y + t)
+        elif head_mid < mid_y:  # band below: arrive at the bottom of the slice
+            target = (concat_x + offset + widths[i] / 2, mid_y)
+        else:
+            target = (concat_x, head_mid)
+        _flow_arrow(ax, (heads_x + head.shape[1], head_mid), target, "", color)
+        offset += widths[i]
+    _flow_label(ax, "concat", concat.shape, concat_x + concat.shape[1] / 2, mid_y)
+    _flow_box(ax, output, output_x, mid_y, "Greys", "0.2")
+    _flow_label(ax, "output", output.shape, output_x + output.shape[1] / 2, mid_y)
+    _flow_arrow(ax, (concat_x + concat.shape[1], mid_y + t / 2), (output_x, mid_y + t / 2), "@ W_O")
+
+    ax.set_xlim(-0.5, output_x + output.shape[1] + 0.5)
+    ax.set_ylim(-2.6, total_height + 1.6)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(title or f"Multi-head attention, {n_heads} heads: every box is drawn to its shape (one cell per entry)")
+    fig.tight_layout()
+    return fig
