@@ -14,7 +14,14 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from numpy.typing import ArrayLike
 
-__all__ = ["plot_attention", "plot_head_grid"]
+__all__ = [
+    "plot_attention",
+    "plot_head_grid",
+    "plot_mask",
+    "plot_head_flow",
+    "plot_split_heads",
+    "plot_merge_heads",
+]
 
 
 def plot_attention(
@@ -231,7 +238,7 @@ def plot_head_flow(
     concat_x = heads_x + max(widths) + 2 * gap
     output_x = concat_x + concat.shape[1] + 2 * gap
     width_units, height_units = output_x + output.shape[1] + 1.0, total_height + 5.0
-    fig, ax = plt.subplots(figsize=(11, 0.6 + 11 * height_units / width_units))
+    fig, ax = plt.subplots(figsize=(11, round(0.6 + 11 * height_units / width_units, 1)))
     _flow_box(ax, x, 0, mid_y, "Greys", "0.2")
     _flow_label(ax, "X", x.shape, d_model / 2, mid_y)
 
@@ -244,17 +251,17 @@ def plot_head_flow(
         cursor = qkv_x
         for name, array in (("Q", q), ("K", k), ("V", v)):
             _flow_box(ax, array, cursor, y0, cmap, color)
-            _flow_label(ax, f"{name}{i}", array.shape, cursor + array.shape[1] / 2, y0, color)
+            _flow_label(ax, f"{name}_{i}", array.shape, cursor + array.shape[1] / 2, y0, color)
             cursor += array.shape[1] + 1
-        ax.text((qkv_x + cursor - 1) / 2, y0 + t + 0.3, f"X @ W_Q{i}, X @ W_K{i}, X @ W_V{i}", ha="center",
+        ax.text((qkv_x + cursor - 1) / 2, y0 + t + 0.3, f"X @ W_Q[{i}], X @ W_K[{i}], X @ W_V[{i}]", ha="center",
                 va="bottom", fontsize=7, color=color)
         _flow_arrow(ax, (d_model, mid_y + t / 2), (qkv_x, y0 + t / 2), "", color)
         _flow_box(ax, per_head["weights"][i], weights_x, y0, cmap, color, vmin=0.0, vmax=1.0)
-        _flow_label(ax, f"weights{i}", (t, t), weights_x + t / 2, y0, color)
+        _flow_label(ax, f"weights_{i}", (t, t), weights_x + t / 2, y0, color)
         _flow_arrow(ax, (cursor - 1, y0 + t / 2), (weights_x, y0 + t / 2), "softmax", color)
         head = per_head["heads"][i]
         _flow_box(ax, head, heads_x, y0, cmap, color)
-        _flow_label(ax, f"head{i}", head.shape, heads_x + head.shape[1] / 2, y0, color)
+        _flow_label(ax, f"head_{i}", head.shape, heads_x + head.shape[1] / 2, y0, color)
         _flow_arrow(ax, (weights_x + t, y0 + t / 2), (heads_x, y0 + t / 2), "@ V", color)
         _flow_box(ax, concat[:, offset:offset + widths[i]], concat_x + offset, mid_y, cmap, color)
         head_mid = y0 + t / 2
@@ -276,5 +283,121 @@ def plot_head_flow(
     ax.set_aspect("equal")
     ax.axis("off")
     ax.set_title(title or f"Multi-head attention, {n_heads} heads: every box is drawn to its shape (one cell per entry)")
+    fig.tight_layout()
+    return fig
+
+
+def _trace_entries(source: np.ndarray, name: str) -> dict[float, tuple[int, ...]]:
+    """Map each value of ``source`` to its index, so a moved entry can be traced back to where it came from."""
+    flat = source.ravel().tolist()
+    if len(set(flat)) != len(flat):
+        raise ValueError(
+            f"{name} must hold distinct values so that each entry can be traced (np.arange works), "
+            f"got {len(flat) - len(set(flat))} repeated values"
+        )
+    return {value: tuple(int(i) for i in np.unravel_index(k, source.shape)) for k, value in enumerate(flat)}
+
+
+def _draw_cells(ax: Axes, values: np.ndarray, fills: np.ndarray, misplaced: np.ndarray, title: str) -> None:
+    """Draw a (rows, cols) grid: cell fill from ``fills`` (RGBA), the value written in it, red edge if misplaced."""
+    from matplotlib.patches import Rectangle
+
+    whole = bool(np.all(np.equal(np.mod(values, 1), 0)))
+    rows, cols = values.shape
+    for i in range(rows):
+        for j in range(cols):
+            bad = bool(misplaced[i, j])
+            ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=fills[i, j],
+                                   edgecolor="red" if bad else "white", linewidth=2.5 if bad else 1.0))
+            text = f"{values[i, j]:.0f}" if whole else f"{values[i, j]:.2f}"
+            ax.text(j, i, text, ha="center", va="center", fontsize=8,
+                    fontweight="bold" if bad else "normal", color="darkred" if bad else "black")
+    ax.set_xlim(-0.5, cols - 0.5)
+    ax.set_ylim(rows - 0.5, -0.5)
+    ax.set_aspect("equal")
+    ax.set_xticks(range(cols))
+    ax.set_yticks(range(rows))
+    ax.tick_params(labelsize=7, length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    ax.set_title(title, fontsize=9)
+
+
+def _head_colour(head: int, alpha: float = 0.45) -> tuple[float, float, float, float]:
+    red, green, blue, _ = plt.get_cmap("tab10")(head % 10)
+    return (red, green, blue, alpha)
+
+
+def plot_split_heads(x: ArrayLike, heads: ArrayLike, *, title: str | None = None) -> Figure:
+    """Draw a (T, D) matrix with its columns coloured by head, next to the (H, T, d_k) stack made from it.
+
+    ``x`` must hold distinct values (``np.arange(T * D).reshape(T, D)`` is ideal) so that every
+    entry of ``heads`` can be traced back to the row (token) and column (feature) it came from.
+    In the stack, a cell takes the colour of the head whose columns it came from; a cell that came
+    from another token's row or another head's columns is outlined in red. With the correct split
+    (reshape to (T, H, d_k), then move H forward) no cell is red.
+    """
+    x = np.asarray(x, dtype=float)
+    heads = np.asarray(heads, dtype=float)
+    if x.ndim != 2:
+        raise ValueError(f"x must have shape (T, D), got shape {x.shape}")
+    if heads.ndim != 3 or heads.shape[0] * heads.shape[2] != x.shape[1] or heads.shape[1] != x.shape[0]:
+        raise ValueError(f"heads must have shape (H, T, d_k) with T = {x.shape[0]} and H * d_k = {x.shape[1]}, "
+                         f"got shape {heads.shape}")
+    t, d = x.shape
+    n_heads, _, d_k = heads.shape
+    origin = _trace_entries(x, "x")
+    fig, axes = plt.subplots(1, n_heads + 1, figsize=(0.42 * (d + n_heads * (d_k + 1)) + 1.0, 0.42 * t + 1.6),
+                             gridspec_kw={"width_ratios": [d] + [d_k] * n_heads})
+    column_fills = np.array([[_head_colour(j // d_k) for j in range(d)] for _ in range(t)])
+    _draw_cells(axes[0], x, column_fills, np.zeros((t, d), dtype=bool), f"x: (T, D) = ({t}, {d})")
+    axes[0].set_xlabel("feature (column of x)", fontsize=8)
+    axes[0].set_ylabel("token", fontsize=8)
+    for h in range(n_heads):
+        if any(value not in origin for value in heads[h].ravel().tolist()):
+            raise ValueError(f"heads[{h}] holds values that are not in x: draw arrays made from x")
+        sources = [[origin[value] for value in row] for row in heads[h].tolist()]  # (T, d_k) of (t, d)
+        fills = np.array([[_head_colour(src_d // d_k) for _, src_d in row] for row in sources])
+        misplaced = np.array([[src_t != i or src_d // d_k != h for src_t, src_d in row]
+                              for i, row in enumerate(sources)])
+        _draw_cells(axes[1 + h], heads[h], fills, misplaced, f"head {h}: (T, d_k)")
+        axes[1 + h].set_xlabel("feature in head", fontsize=8)
+    fig.suptitle(title or f"split: (T, D) = ({t}, {d})  ->  (H, T, d_k) = ({n_heads}, {t}, {d_k})", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_merge_heads(heads: ArrayLike, merged: ArrayLike, *, title: str | None = None) -> Figure:
+    """Draw an (H, T, d_k) stack next to the (T, D) matrix merged from it: the split read backwards.
+
+    ``heads`` must hold distinct values. A cell of ``merged`` takes the colour of the head it came
+    from; it is outlined in red when it came from another token, another head, or another position
+    in the head than the (T, H, d_k) order puts there.
+    """
+    heads = np.asarray(heads, dtype=float)
+    merged = np.asarray(merged, dtype=float)
+    if heads.ndim != 3:
+        raise ValueError(f"heads must have shape (H, T, d_k), got shape {heads.shape}")
+    n_heads, t, d_k = heads.shape
+    if merged.shape != (t, n_heads * d_k):
+        raise ValueError(f"merged must have shape (T, H * d_k) = ({t}, {n_heads * d_k}), got shape {merged.shape}")
+    d = n_heads * d_k
+    origin = _trace_entries(heads, "heads")
+    fig, axes = plt.subplots(1, n_heads + 1, figsize=(0.42 * (d + n_heads * (d_k + 1)) + 1.0, 0.42 * t + 1.6),
+                             gridspec_kw={"width_ratios": [d_k] * n_heads + [d]})
+    for h in range(n_heads):
+        fills = np.array([[_head_colour(h) for _ in range(d_k)] for _ in range(t)])
+        _draw_cells(axes[h], heads[h], fills, np.zeros((t, d_k), dtype=bool), f"head {h}: (T, d_k)")
+        axes[h].set_xlabel("feature in head", fontsize=8)
+    axes[0].set_ylabel("token", fontsize=8)
+    if any(value not in origin for value in merged.ravel().tolist()):
+        raise ValueError("merged holds values that are not in heads: draw arrays made from heads")
+    sources = [[origin[value] for value in row] for row in merged.tolist()]  # (T, D) of (h, t, j)
+    fills = np.array([[_head_colour(src_h) for src_h, _, _ in row] for row in sources])
+    misplaced = np.array([[(src_h, src_t, src_j) != (j // d_k, i, j % d_k) for j, (src_h, src_t, src_j) in enumerate(row)]
+                          for i, row in enumerate(sources)])
+    _draw_cells(axes[-1], merged, fills, misplaced, f"merged: (T, D) = ({t}, {d})")
+    axes[-1].set_xlabel("feature (column)", fontsize=8)
+    fig.suptitle(title or f"merge: (H, T, d_k) = ({n_heads}, {t}, {d_k})  ->  (T, D) = ({t}, {d})", fontsize=10)
     fig.tight_layout()
     return fig
