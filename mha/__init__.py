@@ -4,6 +4,7 @@ The package behind the book. Each module has one purpose:
 
 * :mod:`mha.reference` - NumPy reference: softmax, scaled dot-product attention, heads, masks.
 * :mod:`mha.worked_example` - the 2-head worked example's matrices, in one place.
+* :mod:`mha.fitting` - fitting attention heads to target patterns (chapter 02).
 * :mod:`mha.module` - :class:`MultiHeadAttention`, a drop-in for ``torch.nn.MultiheadAttention``.
 * :mod:`mha.counting` - parameter and FLOP counts; real model configurations.
 * :mod:`mha.plotting` - attention maps, head grids, shape diagrams, benchmark plots.
