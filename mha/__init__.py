@@ -9,6 +9,7 @@ The package behind the book. Each module has one purpose:
 * :mod:`mha.counting` - parameter and FLOP counts; real model configurations.
 * :mod:`mha.plotting` - attention maps, head grids, shape diagrams, benchmark plots.
 * :mod:`mha.bench` - ``python -m mha.bench``, the benchmark harness.
+* :mod:`mha.tiny` - the induction task and the tiny two-layer model of chapter 10.
 
 ``import mha`` needs only NumPy; the PyTorch parts load when first used.
 """
