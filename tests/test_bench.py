@@ -1,0 +1,258 @@
+"""Tests of the benchmark harness: the command line, what it writes, its FLOP counts, and that
+every implementation it times computes the same thing. No timing is asserted."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from mha import bench, reference
+
+ENV_FIELDS = ("device", "device_name", "torch_version", "numpy_version", "dtype", "date_utc", "git_commit", "threads")
+TINY = ["--batch", "2", "--heads", "2", "--head-dim", "8", "--seq-lens", "8", "16",
+        "--repeats", "2", "--warmup", "1", "--min-time", "0", "--quiet"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line
+
+
+def test_help_lists_every_option() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "mha.bench", "--help"], capture_output=True, text=True, timeout=120, check=True
+    )
+    for option in ("--device", "--dtype", "--batch", "--heads", "--head-dim", "--seq-lens", "--impl",
+                   "--repeats", "--warmup", "--causal", "--output", "--memory", "--threads"):
+        assert option in completed.stdout
+    assert "--memory-probe" not in completed.stdout
+
+
+def test_cli_writes_json_and_csv(tmp_path, capsys) -> None:
+    impls = ["numpy_fused", "torch_textbook", "mha_module", "torch_mha", "sdpa_bare", "projections", "sdpa_math"]
+    json_path, csv_path = tmp_path / "out.json", tmp_path / "out.csv"
+    assert bench.main([*TINY, "--impl", *impls, "--output", str(json_path), str(csv_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "mha_module/sdpa_bare" in printed and "torch_mha/mha_module" in printed
+
+    report = json.loads(json_path.read_text())
+    env = report["environment"]
+    for field in ENV_FIELDS:
+        assert field in env, field
+    assert env["device"] == "cpu" and env["dtype"] == "float32"
+    assert env["torch_version"] == torch.__version__ and env["numpy_version"] == np.__version__
+    assert env["date_utc"].endswith("+00:00")
+    assert env["command"].startswith("python -m mha.bench")
+    assert report["config"]["seq_lens"] == [8, 16]
+    rows = report["results"]
+    assert [(r["impl"], r["seq_len"]) for r in rows] == [(i, t) for t in (8, 16) for i in impls]
+    for row in rows:
+        assert row["status"] == "ok", row
+        assert row["median_s"] > 0 and row["repeats"] >= 2
+        assert row["flop_per_s"] == pytest.approx(row["flop"] / row["median_s"])
+        if row["scope"] == "layer":
+            assert row["layer_flop_per_s"] == pytest.approx(row["layer_flop"] / row["median_s"])
+            assert row["core_flop_per_s"] == pytest.approx(row["core_flop"] / row["median_s"])
+        elif row["scope"] == "core":
+            assert row["layer_flop_per_s"] is None
+            assert row["core_flop_per_s"] == pytest.approx(row["core_flop"] / row["median_s"])
+        else:
+            assert row["projection_flop_per_s"] == pytest.approx(row["projection_flop"] / row["median_s"])
+    assert [r["seq_len"] for r in report["ratios"]] == [8, 16]
+    for ratio in report["ratios"]:
+        assert ratio["mha_module/sdpa_bare"] > 0 and ratio["torch_mha/mha_module"] > 0
+
+    with csv_path.open(newline="") as handle:
+        table = list(csv.DictReader(handle))
+    assert len(table) == len(rows)
+    for field in ENV_FIELDS:
+        assert f"env_{field}" in table[0]
+    assert {r["impl"] for r in table} == set(impls)
+    assert all(float(r["median_s"]) > 0 for r in table)
+    assert table[0]["env_device_name"] == env["device_name"]
+
+
+def test_cli_rejects_unknown_output_suffix(tmp_path) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main([*TINY, "--output", str(tmp_path / "out.txt")])
+    assert exit_info.value.code == 2
+
+
+def test_memory_mode_measures_each_call_in_its_own_process(tmp_path) -> None:
+    json_path = tmp_path / "memory.json"
+    bench.main(["--memory", "--batch", "1", "--heads", "2", "--head-dim", "8", "--seq-lens", "64",
+                "--impl", "sdpa_bare", "torch_textbook", "--repeats", "1", "--min-time", "0", "--quiet",
+                "--output", str(json_path)])
+    report = json.loads(json_path.read_text())
+    assert report["config"]["memory"] is True
+    for row in report["results"]:
+        assert isinstance(row["peak_memory_bytes"], int) and row["peak_memory_bytes"] >= 0
+        assert row["memory_method"] in ("VmHWM after clear_refs", "ru_maxrss")
+    assert "memory torch_textbook/mha_module" in report["ratios"][0]
+
+
+def test_skipped_implementations_say_why() -> None:
+    report = bench.run_benchmark(
+        dtype="bfloat16", batch=1, heads=2, head_dim=8, seq_lens=[8], impls=["numpy_loop", "sdpa_bare"],
+        repeats=1, min_time=0.0, quiet=True,
+    )
+    numpy_row, sdpa_row = report["results"]
+    assert numpy_row["status"] == "skipped" and "bfloat16" in numpy_row["reason"]
+    assert sdpa_row["status"] == "ok"
+
+    report = bench.run_benchmark(batch=1, heads=2, head_dim=8, seq_lens=[8, 32], impls=["numpy_fused"],
+                                 repeats=1, min_time=0.0, numpy_max_len=16, quiet=True)
+    assert [r["status"] for r in report["results"]] == ["ok", "skipped"]
+    assert "--numpy-max-len" in report["results"][1]["reason"]
+
+
+def test_bad_arguments_raise_value_error() -> None:
+    with pytest.raises(ValueError, match="impls"):
+        bench.run_benchmark(impls=["no_such_impl"], seq_lens=[8], quiet=True)
+    with pytest.raises(ValueError, match="seq_lens"):
+        bench.run_benchmark(seq_lens=[], quiet=True)
+    with pytest.raises(ValueError, match="dtype"):
+        bench.run_benchmark(dtype="int8", seq_lens=[8], quiet=True)
+    with pytest.raises(ValueError, match=r"\.json or \.csv"):
+        bench.write_results({"environment": {}, "config": {}, "results": []}, "out.txt")
+
+
+def test_ratios_without_rounds_are_quotients_of_median_times() -> None:
+    def row(impl: str, seconds: float, peak: int) -> dict:
+        return {"impl": impl, "seq_len": 64, "status": "ok", "median_s": seconds, "peak_memory_bytes": peak}
+
+    report = {
+        "config": {"seq_lens": [64], "memory": True},
+        "results": [row("sdpa_bare", 2.0, 100), row("mha_module", 2.2, 110), row("torch_mha", 5.5, 1100),
+                    row("torch_textbook", 6.6, 2200)],
+    }
+    (ratio,) = bench.ratios(report)
+    assert ratio["mha_module/sdpa_bare"] == pytest.approx(1.1)
+    assert ratio["torch_mha/mha_module"] == pytest.approx(2.5)
+    assert ratio["torch_textbook/mha_module"] == pytest.approx(3.0)
+    assert ratio["memory torch_textbook/mha_module"] == pytest.approx(20.0)
+
+
+def test_time_ratios_pair_the_calls_of_each_round() -> None:
+    # Round 2 was slow for both (the machine was busy): per-round ratios 1.1, 1.1, 1.2, median 1.1.
+    report = {
+        "config": {"seq_lens": [64]},
+        "results": [
+            {"impl": "mha_module", "seq_len": 64, "status": "ok", "median_s": 2.2, "times_s": [2.2, 11.0, 1.2]},
+            {"impl": "sdpa_bare", "seq_len": 64, "status": "ok", "median_s": 2.0, "times_s": [2.0, 10.0, 1.0]},
+        ],
+    }
+    assert bench.ratios(report)[0]["mha_module/sdpa_bare"] == pytest.approx(1.1)
+    # Every round 1.2, though the medians (2.2 and 2.0) are in the ratio 1.1: the rounds decide.
+    report["results"][0]["times_s"] = [2.4, 12.0, 1.2]
+    assert bench.ratios(report)[0]["mha_module/sdpa_bare"] == pytest.approx(1.2)
+    assert report["results"][0]["median_s"] / report["results"][1]["median_s"] == pytest.approx(1.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOP counts
+
+
+def test_flop_counts_match_hand_derived_values() -> None:
+    # B=2, H=3, T=5, d_k=4: per head, Q K^T has 5 x 5 outputs of 4 multiply-adds = 100 MACs,
+    # weights V another 100; 200 MACs = 400 FLOPs per head, times B H = 6 -> 2400.
+    assert bench.attention_core_flop_count(2, 3, 5, 4) == 2400
+    assert bench.attention_core_flop_count(2, 3, 5, 4, causal=True) == 1200
+    # D = 12: one projection has B T = 10 rows x 12 outputs x 12 MACs = 1440 MACs = 2880 FLOPs; four of them.
+    assert bench.projection_flop_count(2, 5, 12) == 4 * 2880
+    assert bench.layer_flop_count(2, 3, 5, 4) == 2400 + 4 * 2880
+    # The defaults of the benchmark, B=8, H=8, d_k=64, T=1024: core 4*8*8*1024^2*64 = 2^34 FLOPs,
+    # projections 8*8*1024*512^2 = 2^34 as well (T = 2 D is where the two are equal).
+    assert bench.attention_core_flop_count(8, 8, 1024, 64) == 2**34
+    assert bench.projection_flop_count(8, 1024, 512) == 2**34
+
+
+def test_flop_counts_match_torch_flop_counter() -> None:
+    config = bench.BenchConfig(batch=2, seq_len=24, heads=4, head_dim=8)
+    layer, x = bench.make_layer(config), bench.make_input(config)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        bench.textbook_attention(x, *bench._layer_weights(layer), config.heads)
+    assert counter.get_total_flops() == bench.layer_flop_count(2, 4, 24, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every implementation computes the same function
+
+
+def _outputs(config: bench.BenchConfig, layer: torch.nn.MultiheadAttention, x: torch.Tensor) -> dict[str, np.ndarray]:
+    outputs = {}
+    for impl in bench.IMPLEMENTATIONS:
+        try:
+            runner = bench.build_runner(impl, layer, x, config.causal)
+            with torch.no_grad():
+                outputs[impl] = np.asarray(runner(), dtype=np.float64)
+        except bench.Unsupported:
+            continue
+        except RuntimeError as error:  # a backend this device does not have (efficient, cudnn on a CPU)
+            assert impl in ("sdpa_efficient", "sdpa_cudnn"), error
+    return outputs
+
+
+def _expected(config: bench.BenchConfig, layer: torch.nn.MultiheadAttention, x: torch.Tensor):
+    """Layer output, core output (B, H, T, d_k) and projections output, from the NumPy reference
+    with torch's (out, in) weight layout transposed and the biases added by hand."""
+    D, H = config.embed_dim, config.heads
+    x_np = x.numpy().astype(np.float64)
+    w_in = layer.in_proj_weight.detach().numpy().astype(np.float64)  # (3D, D)
+    b_in = layer.in_proj_bias.detach().numpy().astype(np.float64)  # (3D,)
+    w_out = layer.out_proj.weight.detach().numpy().astype(np.float64)  # (D, D)
+    b_out = layer.out_proj.bias.detach().numpy().astype(np.float64)  # (D,)
+    q, k, v = (x_np @ w_in[i * D:(i + 1) * D].T + b_in[i * D:(i + 1) * D] for i in range(3))  # (B, T, D)
+    mask = reference.causal_mask(config.seq_len) if config.causal else None
+    heads, _ = reference.scaled_dot_product_attention(
+        reference.split_heads(q, H), reference.split_heads(k, H), reference.split_heads(v, H), mask
+    )  # (B, H, T, d_k)
+    layer_out = reference.merge_heads(heads) @ w_out.T + b_out  # (B, T, D)
+    return layer_out, heads, v @ w_out.T + b_out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype, tolerance", [("float64", 1e-12), ("float32", 2e-5)])
+def test_every_implementation_computes_the_same_output(causal: bool, dtype: str, tolerance: float) -> None:
+    config = bench.BenchConfig(batch=2, seq_len=12, heads=4, head_dim=8, dtype=dtype, causal=causal)
+    layer, x = bench.make_layer(config), bench.make_input(config)
+    outputs = _outputs(config, layer, x)
+    assert {"numpy_loop", "numpy_fused", "torch_textbook", "mha_module", "torch_mha", "sdpa_bare",
+            "projections", "sdpa_math"} <= set(outputs)
+    layer_out, core_out, projections_out = _expected(config, layer, x)
+    for impl, output in outputs.items():
+        expected = {"layer": layer_out, "core": core_out, "projections": projections_out}[bench.IMPLEMENTATIONS[impl]]
+        np.testing.assert_allclose(output, expected, rtol=tolerance, atol=tolerance, err_msg=impl)
+
+
+def test_torch_implementations_agree_with_nonzero_biases() -> None:
+    config = bench.BenchConfig(batch=2, seq_len=10, heads=2, head_dim=8, dtype="float64")
+    layer, x = bench.make_layer(config), bench.make_input(config)
+    with torch.no_grad():
+        layer.in_proj_bias.copy_(torch.linspace(-1, 1, 3 * config.embed_dim, dtype=torch.float64))
+        layer.out_proj.bias.copy_(torch.linspace(0.5, -0.5, config.embed_dim, dtype=torch.float64))
+    with pytest.raises(bench.Unsupported, match="biases"):
+        bench.build_runner("numpy_fused", layer, x)
+    outputs = _outputs(config, layer, x)
+    assert "mha_module" in outputs and "torch_mha" in outputs
+    layer_out, core_out, _ = _expected(config, layer, x)
+    for impl in ("torch_textbook", "mha_module", "torch_mha", "sdpa_bare"):
+        np.testing.assert_allclose(outputs[impl], layer_out, rtol=1e-12, atol=1e-12, err_msg=impl)
+    np.testing.assert_allclose(outputs["sdpa_math"], core_out, rtol=1e-12, atol=1e-12)
+
+
+def test_layer_weights_are_torch_initialisation() -> None:
+    config = bench.BenchConfig(batch=1, seq_len=4, heads=2, head_dim=4)
+    layer = bench.make_layer(config, seed=3)
+    assert not layer.training and not layer.in_proj_weight.requires_grad
+    assert torch.equal(layer.in_proj_bias, torch.zeros(3 * config.embed_dim))
+    bound = math.sqrt(6.0 / (config.embed_dim + 3 * config.embed_dim))  # Xavier-uniform on (3D, D)
+    assert float(layer.in_proj_weight.abs().max()) <= bound
+    assert torch.equal(layer.in_proj_weight, bench.make_layer(config, seed=3).in_proj_weight)
