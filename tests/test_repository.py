@@ -64,3 +64,18 @@ def test_only_device_dependent_cells_ignore_their_output():
             if cell["cell_type"] == "code" and ("NBVAL_SKIP" in source or "NBVAL_RAISES_EXCEPTION" in source):
                 offenders.append(f"{path.name}: cell {i} skips or expects an exception")
     assert not offenders, "cells that ignore output without measuring time or devices:\n" + "\n".join(offenders)
+
+
+def test_glued_values_are_plain_python_types():
+    # MyST-NB formats glued numbers with a format spec; a NumPy scalar's repr ("np.float64(...)")
+    # cannot be formatted and only shows up as a build warning.
+    offenders = []
+    for path in NOTEBOOKS:
+        nb = json.loads(path.read_text())
+        for i, cell in enumerate(nb["cells"]):
+            for out in cell.get("outputs", []):
+                for mime, value in out.get("data", {}).items():
+                    text = "".join(value) if isinstance(value, list) else str(value)
+                    if mime.startswith("application/papermill.record") and re.match(r"^np\.\w+\(", text):
+                        offenders.append(f"{path.name}: cell {i} glues {text}")
+    assert not offenders, "glue plain Python values (float(x), int(x)):\n" + "\n".join(offenders)
