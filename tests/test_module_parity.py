@@ -10,7 +10,6 @@ least one allowed key: torch gives NaN otherwise (see test_module_properties.py)
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,13 +24,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
 MAX_EXAMPLES = 400
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: a second thread only adds waiting, which is slow on a loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @dataclass(frozen=True)

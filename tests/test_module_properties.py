@@ -7,7 +7,6 @@ where torch gives NaN), gradients (gradcheck), dropout (train mode only, unbiase
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,12 +17,7 @@ from mha.module import MultiHeadAttention
 DTYPE = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def module_with_biases(*args, seed: int = 0, **kwargs) -> MultiHeadAttention:

@@ -8,7 +8,6 @@ query row zero weights and zero output; so must the module, and these tests incl
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -22,12 +21,7 @@ from mha.reference import causal_mask, multi_head_attention, multi_head_cross_at
 TOL = 1e-10  # float64 throughout
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def reference_weights(module: MultiHeadAttention) -> tuple[np.ndarray, ...]:
