@@ -43,5 +43,6 @@ def test_math_is_typeset(html_dir, page):
     path = html_dir / page
     assert path.exists(), f"{page} was not built"
     dom = _dump_dom(browser, path.as_uri())
-    assert "mjx-container" in dom, f"no MathJax output in {page}: the math was not typeset"
-    assert "mjx-merror" not in dom, f"MathJax reported an error while typesetting {page}"
+    assert "<mjx-container" in dom, f"no MathJax output in {page}: the math was not typeset"
+    # MathJax's injected stylesheet names mjx-merror too; an error is an element of that name.
+    assert "<mjx-merror" not in dom, f"MathJax reported an error while typesetting {page}"
