@@ -12,11 +12,11 @@ export OMP_NUM_THREADS ?= 2
 export MKL_NUM_THREADS ?= 2
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: help venv book test unit nbval html-checks lab refresh bench clean
+.PHONY: help venv book test lint unit nbval html-checks lab refresh bench clean
 
 help:
 	@echo "make book     build the HTML book (executes every chapter, fails on any warning)"
-	@echo "make test     every check: pytest, nbval on the stored notebooks, the book build, built-HTML checks"
+	@echo "make test     every check: ruff, pytest, nbval on the stored notebooks, the book build, built-HTML checks"
 	@echo "make lab      JupyterLab on chapters/ with mha importable"
 	@echo "make refresh  re-execute every notebook in place so its stored outputs are current"
 	@echo "make bench    python -m mha.bench with its defaults on this machine's CPU"
@@ -35,6 +35,10 @@ book: $(STAMP)
 	@echo
 	@echo "The book is built: $(CURDIR)/_build/html/index.html"
 
+lint: $(STAMP)
+	$(BIN)/ruff format --check
+	$(BIN)/ruff check
+
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests --ignore=tests/book
 
@@ -44,7 +48,7 @@ nbval: $(STAMP)
 html-checks: $(STAMP)
 	$(BIN)/python -m pytest tests/book
 
-test: unit nbval book html-checks
+test: lint unit nbval book html-checks
 	@echo "make test: every check passed"
 
 lab: $(STAMP)

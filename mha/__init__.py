@@ -1,15 +1,27 @@
 """mha: multi-head attention from one head to the GPU.
 
-The package behind the book. Each module has one purpose:
+The package behind the book. Each module has one purpose; the chapters that
+read it and the tests that pin it are listed with it (README.md has the table).
 
-* :mod:`mha.reference` - NumPy reference: softmax, scaled dot-product attention, heads, masks.
-* :mod:`mha.worked_example` - the 2-head worked example's matrices, in one place.
-* :mod:`mha.fitting` - fitting attention heads to target patterns (chapter 02).
-* :mod:`mha.module` - :class:`MultiHeadAttention`, a drop-in for ``torch.nn.MultiheadAttention``.
-* :mod:`mha.counting` - parameter and FLOP counts; real model configurations.
-* :mod:`mha.plotting` - attention maps, head grids, shape diagrams, benchmark plots.
-* :mod:`mha.bench` - ``python -m mha.bench``, the benchmark harness.
-* :mod:`mha.tiny` - the induction task and the tiny two-layer model of chapter 10.
+==========================  ==========================  ========  ======================
+module                      what it holds               chapters  tests
+==========================  ==========================  ========  ======================
+:mod:`mha.reference`        NumPy reference: the math   01-07     test_reference
+:mod:`mha._validate`        the one error policy        all       (every error test)
+:mod:`mha.functional`       torch building blocks       08, 09    test_functional
+:mod:`mha.worked_example`   the 2-head worked example   04        test_worked_example
+:mod:`mha.fitting`          fitting heads to patterns   02        test_fitting
+:mod:`mha.counting`         every count and config      06, 09    test_counting
+:mod:`mha.module`           MultiHeadAttention (torch)  08-10     test_module_*
+:mod:`mha.plotting`         maps, grids, benchmarks     all       (drawn in chapters)
+:mod:`mha.bench`            ``python -m mha.bench``     09        test_bench
+:mod:`mha.tiny`             the tiny induction model    10        test_tiny
+==========================  ==========================  ========  ======================
+
+The order inside a topic: the NumPy reference first, then the torch or fast
+version, tests that pin one to the other, a benchmark entry, the chapter.
+New code writes boolean masks as ``True`` = may attend, and raises errors
+through :mod:`mha._validate`.
 
 ``import mha`` needs only NumPy; the PyTorch parts load when first used.
 """

@@ -2,31 +2,39 @@
 
 Conventions (the book's chapter 06 derives each formula):
 
-* Shapes: ``B`` batch, ``T_q`` queries, ``T_k`` keys, ``D`` = d_model, ``H`` heads, ``d_k = D / H``.
-  The layer is the one ``torch.nn.MultiheadAttention`` builds: query, key, value and output
-  projections, each producing ``D`` features; ``kdim``/``vdim`` are the feature sizes of the key
-  and value *inputs* (default ``D``).
-* FLOPs count the matrix products only, and count one multiply-add as 2 FLOPs (the convention of
-  ``torch.utils.flop_counter``). Softmax, scaling, masking and bias additions are not counted:
-  they grow like ``B * H * T_q * T_k`` or ``B * T * D``, one factor of ``d_k`` or ``D`` below the products.
-* Memory is in bytes: parameters times bytes per parameter (4 for float32, 2 for bfloat16).
+* Shapes: ``B`` batch, ``T_q`` queries, ``T_k`` keys, ``D`` = d_model, ``H``
+  heads, ``d_k = D / H``. The layer is the one ``torch.nn.MultiheadAttention``
+  builds: query, key, value and output projections, each producing ``D``
+  features; ``kdim``/``vdim`` are the feature sizes of the key and value
+  *inputs* (default ``D``).
+* FLOPs count the matrix products only, and count one multiply-add as 2 FLOPs
+  (the convention of ``torch.utils.flop_counter``). Softmax, scaling, masking
+  and bias additions are not counted: they grow like ``B * H * T_q * T_k`` or
+  ``B * T * D``, one factor of ``d_k`` or ``D`` below the products.
+* Memory is in bytes: parameters times bytes per parameter (4 for float32, 2
+  for bfloat16).
 
-The data at the end (:data:`MODEL_CONFIGS`, :data:`VASWANI2017_HEAD_ABLATION`) are quoted from
-the papers named in each entry; ``citation`` holds the key in the book's ``references.bib``.
+The data at the end (:data:`MODEL_CONFIGS`, :data:`VASWANI2017_HEAD_ABLATION`)
+are quoted from the papers named in each entry; ``citation`` holds the key in
+the book's ``references.bib``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._validate import check_divisible, check_int
+
 __all__ = [
     "attention_parameters",
     "attention_flops",
     "projection_flops",
     "attention_core_flops",
+    "layer_flops",
     "softmax_rows",
     "parameter_bytes",
     "attention_weights_bytes",
+    "kv_cache_bytes",
     "ModelConfig",
     "MODEL_CONFIGS",
     "HeadAblationRow",
@@ -34,21 +42,11 @@ __all__ = [
 ]
 
 
-def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return value
-
-
 def _head_size(d_model: int, num_heads: int) -> int:
     """d_k = D / H, after checking both and that H divides D."""
-    _check_positive_int("d_model", d_model)
-    _check_positive_int("num_heads", num_heads)
-    if d_model % num_heads != 0:
-        raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
-    return d_model // num_heads
+    check_int("d_model", d_model)
+    check_int("num_heads", num_heads)
+    return check_divisible("d_model", d_model, "num_heads", num_heads)
 
 
 def attention_parameters(
@@ -62,21 +60,28 @@ def attention_parameters(
 ) -> int:
     """Number of parameters of one multi-head attention layer (as ``torch.nn.MultiheadAttention``).
 
-    Summed head by head, to make visible that ``H`` cancels: head ``i`` owns a ``(D, d_k)`` slice of
-    ``W_Q``, a ``(kdim, d_k)`` slice of ``W_K`` and a ``(vdim, d_k)`` slice of ``W_V``; ``W_O`` is ``(D, D)``.
+    Summed head by head, to make visible that ``H`` cancels: head ``i`` owns a
+    ``(D, d_k)`` slice of ``W_Q``, a ``(kdim, d_k)`` slice of ``W_K`` and a
+    ``(vdim, d_k)`` slice of ``W_V``; ``W_O`` is ``(D, D)``.
 
     * self-attention without biases: ``4 D^2``;
-    * with biases: ``4 D^2 + 4 D`` (a length-``D`` bias on each of the four projections);
-    * ``kdim``/``vdim``: ``W_K`` is ``(kdim, D)`` and ``W_V`` is ``(vdim, D)``, so ``2 D^2 + D (kdim + vdim)``;
+    * with biases: ``4 D^2 + 4 D`` (a length-``D`` bias on each of the four
+      projections);
+    * ``kdim``/``vdim``: ``W_K`` is ``(kdim, D)`` and ``W_V`` is ``(vdim, D)``,
+      so ``2 D^2 + D (kdim + vdim)``;
     * ``add_bias_kv``: one learned extra key and value vector, ``2 D`` more.
     """
     d_k = _head_size(d_model, num_heads)
-    kdim = d_model if kdim is None else _check_positive_int("kdim", kdim)
-    vdim = d_model if vdim is None else _check_positive_int("vdim", vdim)
-    per_head = d_model * d_k + kdim * d_k + vdim * d_k  # the head's columns of W_Q, W_K, W_V
+    kdim = d_model if kdim is None else check_int("kdim", kdim)
+    vdim = d_model if vdim is None else check_int("vdim", vdim)
+    per_head = (
+        d_model * d_k + kdim * d_k + vdim * d_k
+    )  # the head's columns of W_Q, W_K, W_V
     weights = num_heads * per_head + d_model * d_model  # + W_O, (D, D)
     biases = 4 * d_model if bias else 0  # b_Q, b_K, b_V, b_O, each (D,)
-    extra_kv = 2 * d_model if add_bias_kv else 0  # bias_k, bias_v, each (1, 1, D)
+    extra_kv = (
+        2 * d_model if add_bias_kv else 0
+    )  # bias_k, bias_v, each (1, 1, D)
     return weights + biases + extra_kv
 
 
@@ -101,24 +106,47 @@ def attention_flops(
         kdim, vdim: feature sizes of the key and value inputs (default D).
 
     Returns:
-        A dict with the FLOPs of ``q_proj`` (2 B T_q D D), ``k_proj`` (2 B T_k kdim D),
-        ``v_proj`` (2 B T_k vdim D), ``scores`` (Q K^T: H products of (T_q, d_k) by (d_k, T_k),
-        2 B H T_q T_k d_k = 2 B T_q T_k D), ``weighted_values`` (weights V, the same) and
-        ``out_proj`` (2 B T_q D D).
+        A dict with the FLOPs of ``q_proj`` (2 B T_q D D), ``k_proj`` (2 B T_k
+        kdim D), ``v_proj`` (2 B T_k vdim D), ``scores`` (Q K^T: H products of
+        (T_q, d_k) by (d_k, T_k), 2 B H T_q T_k d_k = 2 B T_q T_k D),
+        ``weighted_values`` (weights V, the same) and ``out_proj`` (2 B T_q D
+        D).
     """
-    _check_positive_int("batch", batch)
-    _check_positive_int("t_q", t_q)
+    check_int("batch", batch)
+    check_int("t_q", t_q)
     d_k = _head_size(d_model, num_heads)
-    t_k = t_q if t_k is None else _check_positive_int("t_k", t_k)
-    kdim = d_model if kdim is None else _check_positive_int("kdim", kdim)
-    vdim = d_model if vdim is None else _check_positive_int("vdim", vdim)
+    t_k = t_q if t_k is None else check_int("t_k", t_k)
+    kdim = d_model if kdim is None else check_int("kdim", kdim)
+    vdim = d_model if vdim is None else check_int("vdim", vdim)
     return {
         "q_proj": 2 * batch * t_q * d_model * d_model,  # (B, T_q, D) @ (D, D)
-        "k_proj": 2 * batch * t_k * kdim * d_model,  # (B, T_k, kdim) @ (kdim, D)
-        "v_proj": 2 * batch * t_k * vdim * d_model,  # (B, T_k, vdim) @ (vdim, D)
-        "scores": 2 * batch * num_heads * t_q * t_k * d_k,  # (B, H, T_q, d_k) @ (B, H, d_k, T_k)
-        "weighted_values": 2 * batch * num_heads * t_q * t_k * d_k,  # (B, H, T_q, T_k) @ (B, H, T_k, d_k)
-        "out_proj": 2 * batch * t_q * d_model * d_model,  # (B, T_q, D) @ (D, D)
+        "k_proj": 2
+        * batch
+        * t_k
+        * kdim
+        * d_model,  # (B, T_k, kdim) @ (kdim, D)
+        "v_proj": 2
+        * batch
+        * t_k
+        * vdim
+        * d_model,  # (B, T_k, vdim) @ (vdim, D)
+        "scores": 2
+        * batch
+        * num_heads
+        * t_q
+        * t_k
+        * d_k,  # (B, H, T_q, d_k) @ (B, H, d_k, T_k)
+        "weighted_values": 2
+        * batch
+        * num_heads
+        * t_q
+        * t_k
+        * d_k,  # (B, H, T_q, T_k) @ (B, H, T_k, d_k)
+        "out_proj": 2
+        * batch
+        * t_q
+        * d_model
+        * d_model,  # (B, T_q, D) @ (D, D)
     }
 
 
@@ -132,36 +160,113 @@ def projection_flops(
     vdim: int | None = None,
 ) -> int:
     """FLOPs of the four projections; ``8 B T D^2`` for self-attention. Independent of the head count."""
-    counts = attention_flops(batch, t_q, d_model, 1, t_k=t_k, kdim=kdim, vdim=vdim)
-    return counts["q_proj"] + counts["k_proj"] + counts["v_proj"] + counts["out_proj"]
+    counts = attention_flops(
+        batch, t_q, d_model, 1, t_k=t_k, kdim=kdim, vdim=vdim
+    )
+    return (
+        counts["q_proj"]
+        + counts["k_proj"]
+        + counts["v_proj"]
+        + counts["out_proj"]
+    )
 
 
-def attention_core_flops(batch: int, t_q: int, d_model: int, num_heads: int, *, t_k: int | None = None) -> int:
-    """FLOPs of ``Q K^T`` and ``weights V`` over all heads: ``4 B T_q T_k D``, whatever ``num_heads`` is."""
+def attention_core_flops(
+    batch: int,
+    t_q: int,
+    d_model: int,
+    num_heads: int,
+    *,
+    t_k: int | None = None,
+    causal: bool = False,
+) -> int:
+    """FLOPs of ``Q K^T`` and ``weights V`` over all heads: ``4 B T_q T_k D``, whatever ``num_heads`` is.
+
+    ``causal=True`` halves the count: a causal mask leaves about half of the
+    (T, T) products to compute, the convention of the FlashAttention papers
+    (exactly half as T grows).
+    """
     counts = attention_flops(batch, t_q, d_model, num_heads, t_k=t_k)
-    return counts["scores"] + counts["weighted_values"]
+    core = counts["scores"] + counts["weighted_values"]
+    return core // 2 if causal else core
+
+
+def layer_flops(
+    batch: int,
+    t_q: int,
+    d_model: int,
+    num_heads: int,
+    *,
+    t_k: int | None = None,
+    causal: bool = False,
+) -> int:
+    """FLOPs of the whole layer: the attention core plus the four projections."""
+    core = attention_core_flops(
+        batch, t_q, d_model, num_heads, t_k=t_k, causal=causal
+    )
+    return core + projection_flops(batch, t_q, d_model, t_k=t_k)
 
 
 def softmax_rows(batch: int, t_q: int, num_heads: int) -> int:
     """Number of separate softmaxes (one per query, per head, per sequence): ``B H T_q``."""
-    for name, value in (("batch", batch), ("t_q", t_q), ("num_heads", num_heads)):
-        _check_positive_int(name, value)
+    for name, value in (
+        ("batch", batch),
+        ("t_q", t_q),
+        ("num_heads", num_heads),
+    ):
+        check_int(name, value)
     return batch * num_heads * t_q
 
 
 def parameter_bytes(num_params: int, bytes_per_param: int = 4) -> int:
     """Memory of ``num_params`` parameters: 4 bytes each in float32, 2 in float16/bfloat16."""
-    _check_positive_int("num_params", num_params)
-    _check_positive_int("bytes_per_param", bytes_per_param)
+    check_int("num_params", num_params)
+    check_int("bytes_per_param", bytes_per_param)
     return num_params * bytes_per_param
 
 
-def attention_weights_bytes(batch: int, num_heads: int, t_q: int, t_k: int, bytes_per_element: int = 4) -> int:
-    """Memory of the attention weights tensor of shape ``(B, H, T_q, T_k)``: it grows with ``H``."""
-    for name, value in (("batch", batch), ("num_heads", num_heads), ("t_q", t_q), ("t_k", t_k),
-                        ("bytes_per_element", bytes_per_element)):
-        _check_positive_int(name, value)
+def attention_weights_bytes(
+    batch: int, num_heads: int, t_q: int, t_k: int, bytes_per_element: int = 4
+) -> int:
+    """Memory of the attention scores or weights, shape ``(B, H, T_q, T_k)``: it grows with ``H``."""
+    for name, value in (
+        ("batch", batch),
+        ("num_heads", num_heads),
+        ("t_q", t_q),
+        ("t_k", t_k),
+        ("bytes_per_element", bytes_per_element),
+    ):
+        check_int(name, value)
     return batch * num_heads * t_q * t_k * bytes_per_element
+
+
+def kv_cache_bytes(
+    batch: int,
+    seq_len: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    bytes_per_element: int = 2,
+) -> int:
+    """Memory of a key/value cache: ``2 B T L H_kv d_k`` elements (keys and values, every layer)."""
+    for name, value in (
+        ("batch", batch),
+        ("seq_len", seq_len),
+        ("num_layers", num_layers),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("bytes_per_element", bytes_per_element),
+    ):
+        check_int(name, value)
+    return (
+        2
+        * batch
+        * seq_len
+        * num_layers
+        * num_kv_heads
+        * head_dim
+        * bytes_per_element
+    )
 
 
 @dataclass(frozen=True)
@@ -172,15 +277,18 @@ class ModelConfig:
         name: the model's name.
         d_model: D, the width of the residual stream.
         num_heads: H, attention heads per layer.
-        num_layers: layers as the source counts them (for the encoder-decoder Transformer: N,
+        num_layers: layers as the source counts them (for the encoder-decoder
+        Transformer: N,
             the depth of the encoder and, again, of the decoder).
-        attention_modules: multi-head attention layers in the whole model (encoder-decoder
-            Transformer: N encoder self-attention + N decoder self-attention + N encoder-decoder
-            attention = 3 N; the other models here: one per layer).
+        attention_modules: multi-head attention layers in the whole model
+        (encoder-decoder
+            Transformer: N encoder self-attention + N decoder self-attention +
+            N encoder-decoder attention = 3 N; the other models here: one per
+            layer).
         attention_bias: whether the attention projections carry bias vectors.
-        citation: key in ``references.bib`` (comma-separated when two sources are needed).
-        source: where in the source the numbers are.
-        note: anything a reader should know about the row.
+        citation: key in ``references.bib`` (comma-separated when two sources
+        are needed). source: where in the source the numbers are. note:
+        anything a reader should know about the row.
     """
 
     name: str
@@ -201,32 +309,114 @@ class ModelConfig:
     def attention_parameters_per_layer(self, bias: bool | None = None) -> int:
         """Parameters of one attention layer; ``bias=None`` uses the model's own choice."""
         return attention_parameters(
-            self.d_model, self.num_heads, bias=self.attention_bias if bias is None else bias
+            self.d_model,
+            self.num_heads,
+            bias=self.attention_bias if bias is None else bias,
         )
 
     def attention_parameters_total(self, bias: bool | None = None) -> int:
         """Parameters of all attention layers of the model."""
-        return self.attention_modules * self.attention_parameters_per_layer(bias)
+        return self.attention_modules * self.attention_parameters_per_layer(
+            bias
+        )
 
 
 _GPT2_SOURCE = "d_model, layers: Table 2 of radford2019language; heads: hparams.json of openai2019gpt2code"
 
-#: Published configurations. Biases: BERT and GPT-2 use biased projections in their released
-#: code, GPT-3 uses GPT-2's architecture, LLaMA's projections have no bias, and the equations of
+# : Published configurations. Biases: BERT and GPT-2 use biased projections in
+# their released
+# : code, GPT-3 uses GPT-2's architecture, LLaMA's projections have no bias,
+# and the equations of
 #: the original Transformer (Section 3.2.2 of vaswani2017attention) have none.
 MODEL_CONFIGS: tuple[ModelConfig, ...] = (
-    ModelConfig("Transformer base", 512, 8, 6, 18, False, "vaswani2017attention", "Table 3",
-                "encoder-decoder: 6 + 6 layers, 3 attention modules per encoder/decoder pair"),
-    ModelConfig("Transformer big", 1024, 16, 6, 18, False, "vaswani2017attention", "Table 3",
-                "encoder-decoder: 6 + 6 layers, 3 attention modules per encoder/decoder pair"),
-    ModelConfig("BERT-base", 768, 12, 12, 12, True, "devlin2019bert", "Section 3 (L=12, H=768, A=12)"),
-    ModelConfig("BERT-large", 1024, 16, 24, 24, True, "devlin2019bert", "Section 3 (L=24, H=1024, A=16)"),
-    ModelConfig("GPT-2 small", 768, 12, 12, 12, True, "radford2019language,openai2019gpt2code", _GPT2_SOURCE),
-    ModelConfig("GPT-2 medium", 1024, 16, 24, 24, True, "radford2019language,openai2019gpt2code", _GPT2_SOURCE),
-    ModelConfig("GPT-2 large", 1280, 20, 36, 36, True, "radford2019language,openai2019gpt2code", _GPT2_SOURCE),
-    ModelConfig("GPT-2 XL", 1600, 25, 48, 48, True, "radford2019language,openai2019gpt2code", _GPT2_SOURCE),
-    ModelConfig("GPT-3 175B", 12288, 96, 96, 96, True, "brown2020language", "Table 2.1"),
-    ModelConfig("LLaMA-7B", 4096, 32, 32, 32, False, "touvron2023llama", "Table 2"),
+    ModelConfig(
+        "Transformer base",
+        512,
+        8,
+        6,
+        18,
+        False,
+        "vaswani2017attention",
+        "Table 3",
+        "encoder-decoder: 6 + 6 layers, 3 attention modules per encoder/decoder pair",
+    ),
+    ModelConfig(
+        "Transformer big",
+        1024,
+        16,
+        6,
+        18,
+        False,
+        "vaswani2017attention",
+        "Table 3",
+        "encoder-decoder: 6 + 6 layers, 3 attention modules per encoder/decoder pair",
+    ),
+    ModelConfig(
+        "BERT-base",
+        768,
+        12,
+        12,
+        12,
+        True,
+        "devlin2019bert",
+        "Section 3 (L=12, H=768, A=12)",
+    ),
+    ModelConfig(
+        "BERT-large",
+        1024,
+        16,
+        24,
+        24,
+        True,
+        "devlin2019bert",
+        "Section 3 (L=24, H=1024, A=16)",
+    ),
+    ModelConfig(
+        "GPT-2 small",
+        768,
+        12,
+        12,
+        12,
+        True,
+        "radford2019language,openai2019gpt2code",
+        _GPT2_SOURCE,
+    ),
+    ModelConfig(
+        "GPT-2 medium",
+        1024,
+        16,
+        24,
+        24,
+        True,
+        "radford2019language,openai2019gpt2code",
+        _GPT2_SOURCE,
+    ),
+    ModelConfig(
+        "GPT-2 large",
+        1280,
+        20,
+        36,
+        36,
+        True,
+        "radford2019language,openai2019gpt2code",
+        _GPT2_SOURCE,
+    ),
+    ModelConfig(
+        "GPT-2 XL",
+        1600,
+        25,
+        48,
+        48,
+        True,
+        "radford2019language,openai2019gpt2code",
+        _GPT2_SOURCE,
+    ),
+    ModelConfig(
+        "GPT-3 175B", 12288, 96, 96, 96, True, "brown2020language", "Table 2.1"
+    ),
+    ModelConfig(
+        "LLaMA-7B", 4096, 32, 32, 32, False, "touvron2023llama", "Table 2"
+    ),
 )
 
 
@@ -234,10 +424,11 @@ MODEL_CONFIGS: tuple[ModelConfig, ...] = (
 class HeadAblationRow:
     """One row of the head-count experiments of Vaswani et al. (2017), Table 3.
 
-    English-German translation, development set newstest2013, base model (d_model = 512);
-    perplexity is per word piece. ``row`` is the table's label: ``"(A)"`` varies the number of
-    heads at constant computation (d_k = d_v = 512 / h), ``"(B)"`` shrinks d_k alone, and
-    ``"base"`` is the base model.
+    English-German translation, development set newstest2013, base model
+    (d_model = 512); perplexity is per word piece. ``row`` is the table's
+    label: ``"(A)"`` varies the number of heads at constant computation (d_k =
+    d_v = 512 / h), ``"(B)"`` shrinks d_k alone, and ``"base"`` is the base
+    model.
     """
 
     row: str
@@ -248,7 +439,8 @@ class HeadAblationRow:
     bleu_dev: float
 
 
-#: Vaswani et al. (2017), Table 3: rows (A), the base model, and the first line of row (B).
+# : Vaswani et al. (2017), Table 3: rows (A), the base model, and the first
+# line of row (B).
 #: Citation key: vaswani2017attention.
 VASWANI2017_HEAD_ABLATION: tuple[HeadAblationRow, ...] = (
     HeadAblationRow("(A)", 1, 512, 512, 5.29, 24.9),

@@ -1,20 +1,23 @@
 """Two relationships that compete for one softmax: a constructed task, and fits of attention to it.
 
-The task (chapter 02). A sequence has ``T = 8`` tokens of ``4`` kinds, each kind exactly twice,
-placed so that no two neighbours (on a circle: token 0 follows token 7) are of the same kind.
-Every token carries a random *payload*, a vector of 4 standard-normal numbers. Token ``i`` must
+The task (chapter 02). A sequence has ``T = 8`` tokens of ``4`` kinds, each
+kind exactly twice, placed so that no two neighbours (on a circle: token 0
+follows token 7) are of the same kind. Every token carries a random *payload*,
+a vector of 4 standard-normal numbers. Token ``i`` must
 report two things:
 
 * the payload of the **previous** token, ``(i - 1) mod T``;
 * the payload of its **partner**, the other token of the same kind.
 
-Each is a sharp, one-key attention pattern, and they never point at the same key. A model is
-one layer of self-attention without biases, ``D`` columns wide, cut into ``H`` heads of
-``d_k = D / H``; it is fitted by Adam on the mean squared error. Everything is float64 and
-every random number comes from an explicit ``torch.Generator``, so a fit is reproducible.
+Each is a sharp, one-key attention pattern, and they never point at the same
+key. A model is one layer of self-attention without biases, ``D`` columns wide,
+cut into ``H`` heads of ``d_k = D / H``; it is fitted by Adam on the mean
+squared error. Everything is float64 and every random number comes from an
+explicit ``torch.Generator``, so a fit is reproducible.
 
-Shapes: ``B`` sequences, ``T`` positions, ``D_in`` input features, ``D`` = d_model, ``H`` heads,
-``d_k = D / H``, ``P`` payload size, ``D_out`` target size.
+Shapes: ``B`` sequences, ``T`` positions, ``D_in`` input features, ``D`` =
+d_model, ``H`` heads, ``d_k = D / H``, ``P`` payload size, ``D_out`` target
+size.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor
+
+from . import functional
+from ._validate import check_choice, check_divisible, check_int
+from .functional import merge_heads, split_heads
 
 __all__ = [
     "NUM_KINDS",
@@ -51,18 +58,24 @@ __all__ = [
 NUM_KINDS = 4
 SEQ_LEN = 8
 PAYLOAD_DIM = 4
-INPUT_DIM = NUM_KINDS + SEQ_LEN + PAYLOAD_DIM  # kind one-hot, position one-hot, payload
+INPUT_DIM = (
+    NUM_KINDS + SEQ_LEN + PAYLOAD_DIM
+)  # kind one-hot, position one-hot, payload
 KIND_LETTERS = "ABCD"
 DTYPE = torch.float64
 
 TARGETS = ("separate", "sum", "previous_twice")
 """What each token must output:
 
-* ``"separate"``: ``[payload(previous), payload(partner)]``, ``D_out = 2 P``: the two reads kept apart;
-* ``"sum"``: ``(payload(previous) + payload(partner)) / sqrt(2)``, ``D_out = P``: only their sum;
-* ``"previous_twice"``: ``[payload(previous), payload(previous)]``, ``D_out = 2 P``: one relationship, read twice.
+* ``"separate"``: ``[payload(previous), payload(partner)]``, ``D_out = 2 P``:
+  the two reads kept apart;
+* ``"sum"``: ``(payload(previous) + payload(partner)) / sqrt(2)``, ``D_out =
+  P``: only their sum;
+* ``"previous_twice"``: ``[payload(previous), payload(previous)]``, ``D_out = 2
+  P``: one relationship, read twice.
 
-Every target entry has mean 0 and variance 1, so predicting zeros gives a loss of 1.
+Every target entry has mean 0 and variance 1, so predicting zeros gives a loss
+of 1.
 """
 
 
@@ -71,12 +84,11 @@ class TwoRelationBatch:
     """A batch of the task.
 
     Attributes:
-        x: inputs, ``(B, T, D_in)``: kind one-hot (4), position one-hot (8), payload (4).
-        target: ``(B, T, D_out)``, see :data:`TARGETS`.
-        kinds: ``(B, T)`` ints in ``[0, 4)``.
-        payload: ``(B, T, P)``.
-        previous: ``(B, T)`` index of each token's previous token, ``(i - 1) mod T``.
-        partner: ``(B, T)`` index of the other token of the same kind.
+        x: inputs, ``(B, T, D_in)``: kind one-hot (4), position one-hot (8),
+        payload (4). target: ``(B, T, D_out)``, see :data:`TARGETS`. kinds:
+        ``(B, T)`` ints in ``[0, 4)``. payload: ``(B, T, P)``. previous: ``(B,
+        T)`` index of each token's previous token, ``(i - 1) mod T``. partner:
+        ``(B, T)`` index of the other token of the same kind.
     """
 
     x: Tensor
@@ -87,16 +99,8 @@ class TwoRelationBatch:
     partner: Tensor
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
-
-
 def _check_target(target: str) -> None:
-    if target not in TARGETS:
-        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    check_choice("target", target, TARGETS)
 
 
 def target_dim(target: str) -> int:
@@ -107,46 +111,73 @@ def target_dim(target: str) -> int:
 
 def sample_kinds(batch_size: int, generator: torch.Generator) -> Tensor:
     """``(B, T)`` kinds: each of the 4 kinds twice, no two circular neighbours alike (rejection sampling)."""
-    _check_positive_int("batch_size", batch_size)
-    pairs = torch.arange(NUM_KINDS).repeat_interleave(2)  # (T,) = 0 0 1 1 2 2 3 3
+    check_int("batch_size", batch_size)
+    pairs = torch.arange(NUM_KINDS).repeat_interleave(
+        2
+    )  # (T,) = 0 0 1 1 2 2 3 3
     accepted: list[Tensor] = []
     count = 0
     while count < batch_size:
-        order = torch.argsort(torch.rand(4 * batch_size, SEQ_LEN, generator=generator, dtype=DTYPE), dim=1)
+        order = torch.argsort(
+            torch.rand(
+                4 * batch_size, SEQ_LEN, generator=generator, dtype=DTYPE
+            ),
+            dim=1,
+        )
         kinds = pairs[order]  # (4B, T): random arrangements
-        apart = (kinds != kinds.roll(1, dims=1)).all(dim=1)  # token i differs from token i - 1, circularly
+        apart = (kinds != kinds.roll(1, dims=1)).all(
+            dim=1
+        )  # token i differs from token i - 1, circularly
         accepted.append(kinds[apart])
         count += int(apart.sum())
     return torch.cat(accepted)[:batch_size]  # (B, T)
 
 
-def make_batch(batch_size: int, generator: torch.Generator, target: str = "separate") -> TwoRelationBatch:
+def make_batch(
+    batch_size: int, generator: torch.Generator, target: str = "separate"
+) -> TwoRelationBatch:
     """Draw ``batch_size`` sequences of the task and their ``target`` (see :data:`TARGETS`)."""
     _check_target(target)
     kinds = sample_kinds(batch_size, generator)  # (B, T)
-    payload = torch.randn(batch_size, SEQ_LEN, PAYLOAD_DIM, generator=generator, dtype=DTYPE)  # (B, T, P)
-    position = torch.eye(SEQ_LEN, dtype=DTYPE)  # (T, T): row i is the one-hot of position i
+    payload = torch.randn(
+        batch_size, SEQ_LEN, PAYLOAD_DIM, generator=generator, dtype=DTYPE
+    )  # (B, T, P)
+    position = torch.eye(
+        SEQ_LEN, dtype=DTYPE
+    )  # (T, T): row i is the one-hot of position i
     x = torch.cat(
         [
-            torch.nn.functional.one_hot(kinds, NUM_KINDS).to(DTYPE),  # (B, T, 4)
+            torch.nn.functional.one_hot(kinds, NUM_KINDS).to(
+                DTYPE
+            ),  # (B, T, 4)
             position.expand(batch_size, SEQ_LEN, SEQ_LEN),  # (B, T, T)
             payload,  # (B, T, P)
         ],
         dim=-1,
     )  # (B, T, D_in)
-    previous = ((torch.arange(SEQ_LEN) - 1) % SEQ_LEN).expand(batch_size, SEQ_LEN)  # (B, T)
+    previous = ((torch.arange(SEQ_LEN) - 1) % SEQ_LEN).expand(
+        batch_size, SEQ_LEN
+    )  # (B, T)
     same_kind = kinds[:, :, None] == kinds[:, None, :]  # (B, T, T)
-    same_kind &= ~torch.eye(SEQ_LEN, dtype=torch.bool)  # not itself: exactly one key per row remains
+    same_kind &= ~torch.eye(
+        SEQ_LEN, dtype=torch.bool
+    )  # not itself: exactly one key per row remains
     partner = same_kind.to(torch.int64).argmax(dim=-1)  # (B, T)
-    read_previous = torch.gather(payload, 1, previous[..., None].expand(-1, -1, PAYLOAD_DIM))  # (B, T, P)
-    read_partner = torch.gather(payload, 1, partner[..., None].expand(-1, -1, PAYLOAD_DIM))  # (B, T, P)
+    read_previous = torch.gather(
+        payload, 1, previous[..., None].expand(-1, -1, PAYLOAD_DIM)
+    )  # (B, T, P)
+    read_partner = torch.gather(
+        payload, 1, partner[..., None].expand(-1, -1, PAYLOAD_DIM)
+    )  # (B, T, P)
     if target == "separate":
         y = torch.cat([read_previous, read_partner], dim=-1)  # (B, T, 2P)
     elif target == "sum":
         y = (read_previous + read_partner) / math.sqrt(2.0)  # (B, T, P)
     else:
         y = torch.cat([read_previous, read_previous], dim=-1)  # (B, T, 2P)
-    return TwoRelationBatch(x, y, kinds, payload, previous.contiguous(), partner)
+    return TwoRelationBatch(
+        x, y, kinds, payload, previous.contiguous(), partner
+    )
 
 
 def token_labels(kinds: Tensor) -> list[str]:
@@ -159,48 +190,71 @@ def one_hot_pattern(index: Tensor) -> Tensor:
     return torch.nn.functional.one_hot(index, SEQ_LEN).to(DTYPE)
 
 
-def init_weights(d_model: int, d_out: int, generator: torch.Generator, d_in: int = INPUT_DIM) -> dict[str, Tensor]:
+def init_weights(
+    d_model: int, d_out: int, generator: torch.Generator, d_in: int = INPUT_DIM
+) -> dict[str, Tensor]:
     """Random ``w_q, w_k, w_v`` of shape ``(D_in, D)`` and ``w_o`` of shape ``(D, D_out)``, std ``1/sqrt(fan_in)``.
 
-    The draw does not depend on the number of heads: the same seed gives the same matrices
-    whether their ``D`` columns later form one head or several.
+    The draw does not depend on the number of heads: the same seed gives the
+    same matrices whether their ``D`` columns later form one head or several.
     """
-    for name, value in (("d_model", d_model), ("d_out", d_out), ("d_in", d_in)):
-        _check_positive_int(name, value)
-    shapes = {"w_q": (d_in, d_model), "w_k": (d_in, d_model), "w_v": (d_in, d_model), "w_o": (d_model, d_out)}
+    for name, value in (
+        ("d_model", d_model),
+        ("d_out", d_out),
+        ("d_in", d_in),
+    ):
+        check_int(name, value)
+    shapes = {
+        "w_q": (d_in, d_model),
+        "w_k": (d_in, d_model),
+        "w_v": (d_in, d_model),
+        "w_o": (d_model, d_out),
+    }
     return {
-        name: torch.randn(*shape, generator=generator, dtype=DTYPE) / math.sqrt(shape[0])
+        name: torch.randn(*shape, generator=generator, dtype=DTYPE)
+        / math.sqrt(shape[0])
         for name, shape in shapes.items()
     }
 
 
-def attention(x: Tensor, weights: dict[str, Tensor], num_heads: int) -> tuple[Tensor, Tensor]:
+def attention(
+    x: Tensor, weights: dict[str, Tensor], num_heads: int
+) -> tuple[Tensor, Tensor]:
     """Multi-head self-attention without biases, in torch (differentiable).
 
     Args:
         x: ``(B, T, D_in)``.
-        weights: ``w_q, w_k, w_v`` of shape ``(D_in, D)``, ``w_o`` of shape ``(D, D_out)``; head ``h``
-            uses columns ``h * d_k : (h + 1) * d_k``, as in :func:`mha.reference.multi_head_attention`.
+        weights: ``w_q, w_k, w_v`` of shape ``(D_in, D)``, ``w_o`` of shape
+        ``(D, D_out)``; head ``h``
+            uses columns ``h * d_k : (h + 1) * d_k``, as in
+            :func:`mha.reference.multi_head_attention`.
         num_heads: H; D must be divisible by H.
 
     Returns:
         ``(output, attn)`` of shapes ``(B, T, D_out)`` and ``(B, H, T, T)``.
     """
-    _check_positive_int("num_heads", num_heads)
+    d_k = _check_attention_inputs(x, weights, num_heads)
+    q, k, v = (
+        split_heads(x @ weights[w], d_k) for w in ("w_q", "w_k", "w_v")
+    )  # (B, H, T, d_k)
+    heads, attn = functional.attention(q, k, v)  # (B, H, T, d_k), (B, H, T, T)
+    return merge_heads(heads) @ weights[
+        "w_o"
+    ], attn  # (B, T, D_out), (B, H, T, T)
+
+
+def _check_attention_inputs(
+    x: Tensor, weights: dict[str, Tensor], num_heads: int
+) -> int:
+    """d_k, after checking x (B, T, D_in) and that num_heads divides D."""
+    check_int("num_heads", num_heads)
     if x.ndim != 3:
-        raise ValueError(f"x must have shape (B, T, D_in), got shape {tuple(x.shape)}")
-    d_model = weights["w_q"].shape[1]
-    if d_model % num_heads != 0:
-        raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
-    b, t, _ = x.shape
-    d_k = d_model // num_heads
-    q = (x @ weights["w_q"]).view(b, t, num_heads, d_k).transpose(1, 2)  # (B, H, T, d_k)
-    k = (x @ weights["w_k"]).view(b, t, num_heads, d_k).transpose(1, 2)  # (B, H, T, d_k)
-    v = (x @ weights["w_v"]).view(b, t, num_heads, d_k).transpose(1, 2)  # (B, H, T, d_k)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(d_k)  # (B, H, T, T)
-    attn = torch.softmax(scores, dim=-1)  # (B, H, T, T)
-    heads = (attn @ v).transpose(1, 2).reshape(b, t, d_model)  # (B, T, H, d_k) -> (B, T, D)
-    return heads @ weights["w_o"], attn  # (B, T, D_out), (B, H, T, T)
+        raise ValueError(
+            f"x must have shape (B, T, D_in), got shape {tuple(x.shape)}"
+        )
+    return check_divisible(
+        "d_model", weights["w_q"].shape[1], "num_heads", num_heads
+    )
 
 
 def weight_on(attn: Tensor, index: Tensor) -> Tensor:
@@ -208,13 +262,16 @@ def weight_on(attn: Tensor, index: Tensor) -> Tensor:
 
     Args:
         attn: ``(B, H, T, T)`` attention weights.
-        index: ``(B, T)`` one key per query, e.g. ``batch.previous`` or ``batch.partner``.
+        index: ``(B, T)`` one key per query, e.g. ``batch.previous`` or
+        ``batch.partner``.
     """
     if attn.ndim != 4 or index.shape != (attn.shape[0], attn.shape[2]):
         raise ValueError(
             f"attn must have shape (B, H, T, T) and index (B, T), got {tuple(attn.shape)} and {tuple(index.shape)}"
         )
-    picked = torch.gather(attn, 3, index[:, None, :, None].expand(-1, attn.shape[1], -1, 1))  # (B, H, T, 1)
+    picked = torch.gather(
+        attn, 3, index[:, None, :, None].expand(-1, attn.shape[1], -1, 1)
+    )  # (B, H, T, 1)
     return picked.mean(dim=(0, 2, 3))  # (H,)
 
 
@@ -242,15 +299,20 @@ def fit(
 ) -> FitResult:
     """Fit one attention layer (``num_heads`` heads, ``d_model`` columns) to ``target`` with Adam.
 
-    Each step draws a fresh batch, so there is no fixed training set to memorise. The seed fixes the
-    initial weights and every batch; with the same seed, models with different numbers of heads start
-    from the same matrices and see the same batches.
+    Each step draws a fresh batch, so there is no fixed training set to
+    memorise. The seed fixes the initial weights and every batch; with the same
+    seed, models with different numbers of heads start from the same matrices
+    and see the same batches.
     """
     _check_target(target)
-    for name, value in (("num_heads", num_heads), ("d_model", d_model), ("steps", steps), ("batch_size", batch_size)):
-        _check_positive_int(name, value)
-    if d_model % num_heads != 0:
-        raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+    for name, value in (
+        ("num_heads", num_heads),
+        ("d_model", d_model),
+        ("steps", steps),
+        ("batch_size", batch_size),
+    ):
+        check_int(name, value)
+    check_divisible("d_model", d_model, "num_heads", num_heads)
     generator = torch.Generator().manual_seed(seed)
     weights = init_weights(d_model, target_dim(target), generator)
     for w in weights.values():
@@ -269,7 +331,9 @@ def fit(
     return FitResult(num_heads, d_model, target, seed, losses, fitted)
 
 
-def evaluate(result: FitResult, batch: TwoRelationBatch) -> tuple[float, Tensor]:
+def evaluate(
+    result: FitResult, batch: TwoRelationBatch
+) -> tuple[float, Tensor]:
     """The mean squared error of a fitted model on ``batch`` and its attention weights ``(B, H, T, T)``."""
     if batch.target.shape[-1] != result.weights["w_o"].shape[1]:
         raise ValueError(
@@ -284,9 +348,10 @@ def evaluate(result: FitResult, batch: TwoRelationBatch) -> tuple[float, Tensor]
 def best_readout_loss(maps: Tensor, batch: TwoRelationBatch) -> float:
     """The lowest mean squared error that any linear read-out can reach from fixed attention maps.
 
-    Each map ``m`` averages the whole input, ``maps[:, m] @ x``; the averages are concatenated and a
-    least-squares fit maps them to the target. Values and output projections of a real layer are linear
-    maps of the same averages (of narrower width), so no layer with these maps can do better.
+    Each map ``m`` averages the whole input, ``maps[:, m] @ x``; the averages
+    are concatenated and a least-squares fit maps them to the target. Values
+    and output projections of a real layer are linear maps of the same averages
+    (of narrower width), so no layer with these maps can do better.
 
     Args:
         maps: ``(B, M, T, T)`` row-stochastic attention maps (``M`` heads).
@@ -294,9 +359,15 @@ def best_readout_loss(maps: Tensor, batch: TwoRelationBatch) -> float:
     """
     b, t, d_in = batch.x.shape
     if maps.ndim != 4 or maps.shape[0] != b or maps.shape[2:] != (t, t):
-        raise ValueError(f"maps must have shape ({b}, M, {t}, {t}), got shape {tuple(maps.shape)}")
+        raise ValueError(
+            f"maps must have shape ({b}, M, {t}, {t}), got shape {tuple(maps.shape)}"
+        )
     averaged = maps @ batch.x[:, None]  # (B, M, T, D_in)
-    features = averaged.transpose(1, 2).reshape(b * t, -1)  # (B, T, M, D_in) -> (B*T, M*D_in)
+    features = averaged.transpose(1, 2).reshape(
+        b * t, -1
+    )  # (B, T, M, D_in) -> (B*T, M*D_in)
     target = batch.target.reshape(b * t, -1)  # (B*T, D_out)
-    solution = torch.linalg.lstsq(features, target, driver="gelsd").solution  # (M*D_in, D_out)
+    solution = torch.linalg.lstsq(
+        features, target, driver="gelsd"
+    ).solution  # (M*D_in, D_out)
     return float(torch.mean((features @ solution - target) ** 2))

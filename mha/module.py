@@ -1,30 +1,44 @@
 """PyTorch multi-head attention: a drop-in for ``torch.nn.MultiheadAttention``.
 
-:class:`MultiHeadAttention` takes the same arguments, holds parameters with the same names and
-shapes (so ``load_state_dict`` works in both directions) and returns the same results, with
+:class:`MultiHeadAttention` takes the same arguments, holds parameters with the
+same names and shapes (so ``load_state_dict`` works in both directions) and
+returns the same results, with
 these differences, each on purpose:
 
-* ``batch_first=True`` by default: inputs are ``(B, T, D)``, the book's convention.
-* A query row whose keys are all masked gets zero weights and a zero attention output, never
-  NaN, in the forward pass and in gradients (``torch.nn.MultiheadAttention`` gives NaN there
-  with ``need_weights=True``). The output projection then returns its bias for that row: zero
-  with ``bias=False`` or with torch's zero-initialised bias.
+* ``batch_first=True`` by default: inputs are ``(B, T, D)``, the book's
+  convention.
+* A query row whose keys are all masked gets zero weights and a zero attention
+  output, never NaN, in the forward pass and in gradients
+  (``torch.nn.MultiheadAttention`` gives NaN there with ``need_weights=True``).
+  The output projection then returns its bias for that row: zero with
+  ``bias=False`` or with torch's zero-initialised bias.
 * ``is_causal=True`` works without ``attn_mask`` (a causal mask is built).
-* ``head_mask`` multiplies each head's output, to switch heads off without retraining.
+* ``head_mask`` multiplies each head's output, to switch heads off without
+  retraining.
 * Bad input raises ``ValueError`` / ``TypeError`` that names the argument.
 
 Two paths compute the attention core. ``need_weights=False`` calls
-``torch.nn.functional.scaled_dot_product_attention`` (fused kernels, no ``(B, H, T_q, T_k)``
-weights kept); ``need_weights=True`` writes out scores, softmax and weights.
+``torch.nn.functional.scaled_dot_product_attention`` (fused kernels, no ``(B,
+H, T_q, T_k)`` weights kept); ``need_weights=True`` writes out scores, softmax
+and weights.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from ._validate import (
+    check_divisible,
+    check_int,
+    check_probability,
+    shape_text,
+)
+from .functional import attention, causal_mask, merge_heads, split_heads
 
 __all__ = ["MultiHeadAttention"]
 
@@ -33,22 +47,28 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention with the arguments, parameters and results of ``torch.nn.MultiheadAttention``.
 
     Args:
-        embed_dim: D, the model width; the output has D features. Must be divisible by ``num_heads``.
-        num_heads: H; each head works in ``d_k = D / H`` dimensions.
-        dropout: probability of dropping an attention weight (train mode only).
-        bias: add biases to the input and output projections.
-        kdim, vdim: feature sizes of ``key`` and ``value`` (default D). When either differs from D,
-            the projections are held separately as ``q_proj_weight`` (D, D), ``k_proj_weight``
-            (D, kdim) and ``v_proj_weight`` (D, vdim); otherwise fused in ``in_proj_weight`` (3D, D).
-        batch_first: inputs and outputs are ``(B, T, D)`` when True (the default here, unlike
-            torch's False), ``(T, B, D)`` when False. Ignored for unbatched ``(T, D)`` inputs.
-        device, dtype: where and in which floating type to create the parameters.
+        embed_dim: D, the model width; the output has D features. Must be
+        divisible by ``num_heads``. num_heads: H; each head works in ``d_k = D
+        / H`` dimensions. dropout: probability of dropping an attention weight
+        (train mode only). bias: add biases to the input and output
+        projections. kdim, vdim: feature sizes of ``key`` and ``value``
+        (default D). When either differs from D,
+            the projections are held separately as ``q_proj_weight`` (D, D),
+            ``k_proj_weight`` (D, kdim) and ``v_proj_weight`` (D, vdim);
+            otherwise fused in ``in_proj_weight`` (3D, D).
+        batch_first: inputs and outputs are ``(B, T, D)`` when True (the
+        default here, unlike
+            torch's False), ``(T, B, D)`` when False. Ignored for unbatched
+            ``(T, D)`` inputs.
+        device, dtype: where and in which floating type to create the
+        parameters.
 
-    Differences from ``torch.nn.MultiheadAttention``: ``batch_first`` defaults to True; a query
-    row with no allowed key gets zero weights and zero head outputs instead of NaN (so the
-    output there is ``out_proj.bias``); ``is_causal=True`` builds the causal mask when
-    ``attn_mask`` is None; the extra ``head_mask`` argument; errors are ``ValueError`` /
-    ``TypeError``; ``add_bias_kv`` and ``add_zero_attn`` do not exist.
+    Differences from ``torch.nn.MultiheadAttention``: ``batch_first`` defaults
+    to True; a query row with no allowed key gets zero weights and zero head
+    outputs instead of NaN (so the output there is ``out_proj.bias``);
+    ``is_causal=True`` builds the causal mask when ``attn_mask`` is None; the
+    extra ``head_mask`` argument; errors are ``ValueError`` / ``TypeError``;
+    ``add_bias_kv`` and ``add_zero_attn`` do not exist.
     """
 
     def __init__(
@@ -64,40 +84,44 @@ class MultiHeadAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        kdim = embed_dim if kdim is None else kdim
-        vdim = embed_dim if vdim is None else vdim
-        sizes = {"embed_dim": embed_dim, "num_heads": num_heads, "kdim": kdim, "vdim": vdim}
-        for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-            if value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value}")
-        if embed_dim % num_heads != 0:
-            raise ValueError(
-                "embed_dim must be divisible by num_heads, "
-                f"got embed_dim={embed_dim} and num_heads={num_heads}"
-            )
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must lie in [0, 1), got {dropout}")
+        self.embed_dim = check_int("embed_dim", embed_dim)
+        self.num_heads = check_int("num_heads", num_heads)
+        self.head_dim = check_divisible(
+            "embed_dim", embed_dim, "num_heads", num_heads
+        )
+        self.kdim = embed_dim if kdim is None else check_int("kdim", kdim)
+        self.vdim = embed_dim if vdim is None else check_int("vdim", vdim)
+        self.dropout = check_probability("dropout", dropout)
+        self.batch_first = batch_first
         factory = {"device": device, "dtype": dtype}
-        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
-        self.kdim, self.vdim = kdim, vdim
-        self.dropout, self.batch_first = dropout, batch_first
-        self._qkv_same_embed_dim = kdim == embed_dim and vdim == embed_dim
+        self._qkv_same_embed_dim = (
+            self.kdim == embed_dim and self.vdim == embed_dim
+        )
 
-        # Same parameters, created in the same order, as torch.nn.MultiheadAttention.
+        # Same parameters, created in the same order, as
+        # torch.nn.MultiheadAttention.
         if self._qkv_same_embed_dim:
             # [W_Q; W_K; W_V], stacked: (3D, D)
-            self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **factory))
+            self.in_proj_weight = nn.Parameter(
+                torch.empty(3 * embed_dim, embed_dim, **factory)
+            )
             for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
                 self.register_parameter(name, None)
         else:
-            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim, **factory))
-            self.k_proj_weight = nn.Parameter(torch.empty(embed_dim, kdim, **factory))
-            self.v_proj_weight = nn.Parameter(torch.empty(embed_dim, vdim, **factory))
+            self.q_proj_weight = nn.Parameter(
+                torch.empty(embed_dim, embed_dim, **factory)
+            )
+            self.k_proj_weight = nn.Parameter(
+                torch.empty(embed_dim, self.kdim, **factory)
+            )
+            self.v_proj_weight = nn.Parameter(
+                torch.empty(embed_dim, self.vdim, **factory)
+            )
             self.register_parameter("in_proj_weight", None)
         if bias:
-            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **factory))  # [b_Q; b_K; b_V]
+            self.in_proj_bias = nn.Parameter(
+                torch.empty(3 * embed_dim, **factory)
+            )  # [b_Q; b_K; b_V]
         else:
             self.register_parameter("in_proj_bias", None)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
@@ -105,7 +129,12 @@ class MultiHeadAttention(nn.Module):
 
     def _reset_parameters(self) -> None:
         """torch's initialisation: Xavier-uniform projection weights, zero biases."""
-        for weight in (self.in_proj_weight, self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
+        for weight in (
+            self.in_proj_weight,
+            self.q_proj_weight,
+            self.k_proj_weight,
+            self.v_proj_weight,
+        ):
             if weight is not None:
                 nn.init.xavier_uniform_(weight)
         if self.in_proj_bias is not None:
@@ -127,123 +156,228 @@ class MultiHeadAttention(nn.Module):
         """Attend from ``query`` over ``key`` / ``value``; return ``(output, weights or None)``.
 
         Args:
-            query: ``(B, T_q, D)`` (``(T_q, B, D)`` if not batch_first) or unbatched ``(T_q, D)``.
-            key: ``(B, T_k, kdim)``, same layout as ``query``.
-            value: ``(B, T_k, vdim)``, same layout as ``query``.
-            key_padding_mask: ``(B, T_k)`` (``(T_k,)`` unbatched): keys to hide from every query.
-            need_weights: return the attention weights (explicit path) or None (fast SDPA path).
-            attn_mask: ``(T_q, T_k)`` or ``(B * H, T_q, T_k)``.
-            average_attn_weights: average the returned weights over heads.
-            is_causal: query i may attend to keys 0..i only. With ``attn_mask`` given, that mask is
-                taken as the causal mask (torch's hint); with ``attn_mask=None`` one is built.
-            head_mask: ``(H,)`` or ``(B, H)`` floats multiplying each head's output before the
-                output projection (0 switches a head off). The returned weights are not scaled.
+            query: ``(B, T_q, D)`` (``(T_q, B, D)`` if not batch_first) or
+            unbatched ``(T_q, D)``. key: ``(B, T_k, kdim)``, same layout as
+            ``query``. value: ``(B, T_k, vdim)``, same layout as ``query``.
+            key_padding_mask: ``(B, T_k)`` (``(T_k,)`` unbatched): keys hidden
+            from every query. need_weights: return the attention weights
+            (explicit path) or None (fused SDPA path). attn_mask: ``(T_q,
+            T_k)`` or ``(B * H, T_q, T_k)``. average_attn_weights: average the
+            returned weights over heads. is_causal: query i may attend to keys
+            0..i only. With ``attn_mask`` given, that mask
+                is taken as the causal mask (torch's hint); with
+                ``attn_mask=None`` one is built.
+            head_mask: ``(H,)`` or ``(B, H)`` floats multiplying each head's
+            output before the
+                output projection (0 switches a head off). The returned weights
+                are not scaled.
 
-        Masks: boolean ``True`` = not allowed; float masks are added to the scores (``-inf`` blocks).
+        Masks: boolean ``True`` = not allowed; float masks are added to the
+        scores.
 
         Returns:
-            ``output`` ``(B, T_q, D)`` and ``weights``: ``(B, T_q, T_k)`` averaged over heads, or
-            ``(B, H, T_q, T_k)`` per head; softmax weights, after dropout in train mode; None
-            when ``need_weights=False``. Unbatched input drops the B axis.
+            ``output`` ``(B, T_q, D)`` and ``weights``: ``(B, T_q, T_k)``
+            averaged over heads, or ``(B, H, T_q, T_k)`` per head, after
+            dropout in train mode; None when ``need_weights=False``. Unbatched
+            input drops the B axis.
         """
-        self_attention = query is key and key is value  # then one fused projection suffices
         batched = self._check_inputs(query, key, value)
-        query, key, value = (self._to_batch_first(x, batched) for x in (query, key, value))
-        B, T_q, _ = query.shape
-        T_k = key.shape[1]
-        self._check_masks(attn_mask, key_padding_mask, head_mask, B, T_q, T_k, batched)
+        self_attention = (
+            query is key and key is value
+        )  # one fused projection will do
+        query, key, value = (
+            self._batch_first(x, batched) for x in (query, key, value)
+        )
+        mask = self._prepare_mask(
+            attn_mask,
+            key_padding_mask,
+            head_mask,
+            is_causal,
+            need_weights,
+            query,
+            key,
+            batched,
+        )
 
-        # SDPA's own causal flag is fastest, but it cannot be combined with another mask.
-        sdpa_is_causal = is_causal and attn_mask is None and key_padding_mask is None and not need_weights
-        if is_causal and attn_mask is None and not sdpa_is_causal:
-            attn_mask = _causal_mask(T_q, T_k, query.device)
-        mask, row_has_key = self._merge_masks(attn_mask, key_padding_mask, B, T_q, T_k, query.dtype)
-
-        q, k, v = self._in_projection(query, key, value, self_attention)  # (B, H, T, d_k) each
-        dropout_p = self.dropout if self.training else 0.0
-        if need_weights:
-            # (B, H, T_q, d_k), (B, H, T_q, T_k)
-            heads, weights = _attention_with_weights(q, k, v, mask, dropout_p)
-        else:
-            heads = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=sdpa_is_causal
-            )  # (B, H, T_q, d_k)
-            weights = None
-        if row_has_key is not None:  # rows with no allowed key: zero, not NaN
-            heads = heads * row_has_key
-            weights = None if weights is None else weights * row_has_key
-        if head_mask is not None:
-            heads = heads * head_mask.to(heads.dtype).reshape(-1, self.num_heads, 1, 1)  # (1 or B, H, 1, 1)
-
-        output = self.out_proj(heads.transpose(1, 2).reshape(B, T_q, self.embed_dim))  # (B, T_q, D)
-        if weights is not None and average_attn_weights:
-            weights = weights.mean(dim=1)  # (B, T_q, T_k)
-        if not batched:
-            return output.squeeze(0), None if weights is None else weights.squeeze(0)
-        if not self.batch_first:
-            output = output.transpose(0, 1)  # (T_q, B, D)
-        return output, weights
+        # 1. Project: queries, keys and values, (B, T, D) each.
+        q, k, v = self._in_projection(query, key, value, self_attention)
+        # 2. Split into heads: (B, H, T, d_k) each.
+        q, k, v = (split_heads(x, self.head_dim) for x in (q, k, v))
+        # 3. Attend, every head at once: (B, H, T_q, d_k); weights (B, H, T_q,
+        # T_k) or None.
+        heads, weights = self._attend(q, k, v, mask, need_weights)
+        if (
+            head_mask is not None
+        ):  # scale (switch off) whole heads: (1 or B, H, 1, 1)
+            heads = heads * head_mask.to(heads.dtype).reshape(
+                -1, self.num_heads, 1, 1
+            )
+        # 4. Merge the heads: (B, T_q, D).
+        merged = merge_heads(heads)
+        # 5. Project out: (B, T_q, D).
+        output = self.out_proj(merged)
+        return self._outputs(output, weights, batched, average_attn_weights)
 
     def _in_projection(
         self, query: Tensor, key: Tensor, value: Tensor, self_attention: bool
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Project (B, T, features) inputs to queries, keys and values split into heads, (B, H, T, d_k)."""
+        """(B, T, features) inputs -> queries, keys and values, (B, T, D) each."""
         D = self.embed_dim
-        if self_attention and self._qkv_same_embed_dim:  # one matrix product for all three
-            qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)  # (B, T, 3D)
-            q, k, v = qkv.split(D, dim=-1)  # (B, T, D) each, views
+        if (
+            self_attention and self._qkv_same_embed_dim
+        ):  # one matrix product for all three
+            qkv = F.linear(
+                query, self.in_proj_weight, self.in_proj_bias
+            )  # (B, T, 3D)
+            return qkv.split(D, dim=-1)  # (B, T, D) each, views
+        if self._qkv_same_embed_dim:
+            w_q, w_k, w_v = self.in_proj_weight.split(D)  # (D, D) each
         else:
-            if self._qkv_same_embed_dim:
-                w_q, w_k, w_v = self.in_proj_weight.split(D)  # (D, D) each
-            else:
-                w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
-            b_q, b_k, b_v = (None, None, None) if self.in_proj_bias is None else self.in_proj_bias.split(D)
-            q, k, v = F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
-        return self._split_heads(q), self._split_heads(k), self._split_heads(v)
+            w_q, w_k, w_v = (
+                self.q_proj_weight,
+                self.k_proj_weight,
+                self.v_proj_weight,
+            )
+        b_q = b_k = b_v = None
+        if self.in_proj_bias is not None:
+            b_q, b_k, b_v = self.in_proj_bias.split(D)  # (D,) each
+        return (
+            F.linear(query, w_q, b_q),
+            F.linear(key, w_k, b_k),
+            F.linear(value, w_v, b_v),
+        )
 
-    def _split_heads(self, x: Tensor) -> Tensor:
-        """(B, T, D) -> (B, H, T, d_k), a view: head i holds features i*d_k ... (i+1)*d_k - 1."""
-        B, T, _ = x.shape
-        return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, d_k)
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: _Mask, need_weights: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attention on (B, H, T, d_k) heads, by one of two paths; empty rows give zeros.
 
-    def _to_batch_first(self, x: Tensor, batched: bool) -> Tensor:
+        ``need_weights=True`` writes out the (B, H, T_q, T_k) weights
+        (:func:`attention`); ``need_weights=False`` hands the work to
+        ``F.scaled_dot_product_attention``, whose fused kernels never keep the
+        weights.
+        """
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights:
+            heads, weights = attention(
+                q, k, v, mask.additive, dropout_p=dropout_p
+            )
+        else:
+            heads = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask.additive,
+                dropout_p=dropout_p,
+                is_causal=mask.is_causal,
+            )
+            weights = None
+        if (
+            mask.row_has_key is not None
+        ):  # rows with no allowed key: zero, not NaN
+            heads = heads * mask.row_has_key
+            weights = None if weights is None else weights * mask.row_has_key
+        return heads, weights
+
+    def _prepare_mask(
+        self,
+        attn_mask: Tensor | None,
+        key_padding_mask: Tensor | None,
+        head_mask: Tensor | None,
+        is_causal: bool,
+        need_weights: bool,
+        query: Tensor,
+        key: Tensor,
+        batched: bool,
+    ) -> _Mask:
+        """Check the masks, then turn them into one additive mask for the scores.
+
+        ``attn_mask`` and ``key_padding_mask`` become one float mask (0 =
+        allowed, -inf = blocked), ``(1 or B, 1 or H, T_q, T_k)``. Rows in which
+        every key is blocked are unblocked *before* the softmax and remembered
+        in ``row_has_key``, so no NaN is ever made; :meth:`_attend` zeroes them
+        afterwards. With ``is_causal`` and no other mask, SDPA's own causal
+        flag is used instead of a mask, where it can be.
+        """
+        (B, T_q, _), T_k = query.shape, key.shape[1]
+        self._check_masks(
+            attn_mask, key_padding_mask, head_mask, B, T_q, T_k, batched
+        )
+        if is_causal and attn_mask is None:
+            if key_padding_mask is None and not need_weights:
+                return _Mask(None, None, is_causal=True)
+            attn_mask = ~causal_mask(
+                T_q, T_k, device=query.device
+            )  # True = blocked
+        additive = None
+        if attn_mask is not None:
+            per_head = (
+                1 if attn_mask.dim() == 2 else self.num_heads
+            )  # a 2-D mask: every head
+            additive = _additive(attn_mask, query.dtype).reshape(
+                -1, per_head, T_q, T_k
+            )
+        if (
+            key_padding_mask is not None
+        ):  # the same keys are hidden from every head and query
+            padding = _additive(key_padding_mask, query.dtype).reshape(
+                B, 1, 1, T_k
+            )
+            additive = padding if additive is None else additive + padding
+        if additive is None:
+            return _Mask(None, None, is_causal=False)
+        row_has_key = (additive > float("-inf")).any(
+            dim=-1, keepdim=True
+        )  # (..., T_q, 1)
+        unblocked = additive.masked_fill(
+            ~row_has_key, 0.0
+        )  # softmax never sees a row of -inf
+        return _Mask(unblocked, row_has_key.to(query.dtype), is_causal=False)
+
+    def _batch_first(self, x: Tensor, batched: bool) -> Tensor:
         """Any accepted input layout -> (B, T, features)."""
         if not batched:
             return x.unsqueeze(0)  # (1, T, features)
         return x if self.batch_first else x.transpose(0, 1)  # (B, T, features)
 
-    def _merge_masks(
+    def _outputs(
         self,
-        attn_mask: Tensor | None,
-        key_padding_mask: Tensor | None,
-        B: int,
-        T_q: int,
-        T_k: int,
-        dtype: torch.dtype,
-    ) -> tuple[Tensor | None, Tensor | None]:
-        """Both masks -> one float mask to add to the scores, (1 or B, 1 or H, T_q, T_k), and
-        ``row_has_key`` (see :func:`_unblock_empty_rows`); (None, None) if nothing is masked."""
-        mask = None
-        if attn_mask is not None:
-            per_head = 1 if attn_mask.dim() == 2 else self.num_heads  # a 2-D mask is shared by all heads
-            mask = _additive_mask(attn_mask, dtype).reshape(-1, per_head, T_q, T_k)  # (1 or B, 1 or H, ...)
-        if key_padding_mask is not None:  # the same keys are hidden from every head and query
-            padding = _additive_mask(key_padding_mask, dtype).reshape(B, 1, 1, T_k)  # (B, 1, 1, T_k)
-            mask = padding if mask is None else mask + padding
-        return (None, None) if mask is None else _unblock_empty_rows(mask)
+        output: Tensor,
+        weights: Tensor | None,
+        batched: bool,
+        average_attn_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """(B, T_q, D) output and (B, H, T_q, T_k) weights -> the caller's layout."""
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(dim=1)  # (B, T_q, T_k)
+        if not batched:
+            return output.squeeze(
+                0
+            ), None if weights is None else weights.squeeze(0)
+        if not self.batch_first:
+            output = output.transpose(0, 1)  # (T_q, B, D)
+        return output, weights
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> bool:
         """Check query/key/value; return True for batched (3-D) input, False for unbatched (2-D)."""
         for name, x in (("query", query), ("key", key), ("value", value)):
             if not isinstance(x, Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+                raise TypeError(
+                    f"{name} must be a torch.Tensor, got {type(x).__name__}"
+                )
             if not x.is_floating_point():
-                raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+                raise TypeError(
+                    f"{name} must be a floating-point tensor, got dtype {x.dtype}"
+                )
         if query.dim() not in (2, 3):
             raise ValueError(
                 f"query must have 3 dimensions (batched) or 2 (unbatched), got shape {tuple(query.shape)}"
             )
-        layout = ("(B, T, {})" if self.batch_first else "(T, B, {})") if query.dim() == 3 else "(T, {})"
+        layout = (
+            ("(B, T, {})" if self.batch_first else "(T, B, {})")
+            if query.dim() == 3
+            else "(T, {})"
+        )
         for name, x, features, symbol in (
             ("query", query, self.embed_dim, "embed_dim"),
             ("key", key, self.kdim, "kdim"),
@@ -251,12 +385,20 @@ class MultiHeadAttention(nn.Module):
         ):
             if x.dim() != query.dim() or x.shape[-1] != features:
                 expected = layout.format(f"{symbol}={features}")
-                like = "" if name == "query" else f" (like query, {tuple(query.shape)})"
-                raise ValueError(f"{name} must have shape {expected}{like}, got shape {tuple(x.shape)}")
+                like = (
+                    ""
+                    if name == "query"
+                    else f" (like query, {tuple(query.shape)})"
+                )
+                raise ValueError(
+                    f"{name} must have shape {expected}{like}, got shape {tuple(x.shape)}"
+                )
         t_axis, b_axis = (1, 0) if self.batch_first else (0, 1)
         if query.dim() == 2:
             t_axis = 0
-        elif not query.shape[b_axis] == key.shape[b_axis] == value.shape[b_axis]:
+        elif (
+            not query.shape[b_axis] == key.shape[b_axis] == value.shape[b_axis]
+        ):
             raise ValueError(
                 "query, key and value must have the same batch size, got shapes "
                 f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}"
@@ -282,75 +424,78 @@ class MultiHeadAttention(nn.Module):
         H = self.num_heads
         if attn_mask is not None:
             stack = "B * num_heads" if batched else "num_heads"
-            expected = {"(T_q, T_k)": (T_q, T_k), f"({stack}, T_q, T_k)": (B * H, T_q, T_k)}
+            expected = {
+                "(T_q, T_k)": (T_q, T_k),
+                f"({stack}, T_q, T_k)": (B * H, T_q, T_k),
+            }
             _check_mask("attn_mask", attn_mask, expected)
         if key_padding_mask is not None:
-            expected = {"(B, T_k)": (B, T_k)} if batched else {"(T_k,)": (T_k,)}
+            expected = (
+                {"(B, T_k)": (B, T_k)} if batched else {"(T_k,)": (T_k,)}
+            )
             _check_mask("key_padding_mask", key_padding_mask, expected)
         if head_mask is not None:
-            if not isinstance(head_mask, Tensor) or not head_mask.is_floating_point():
-                got = f"dtype {head_mask.dtype}" if isinstance(head_mask, Tensor) else type(head_mask).__name__
+            if (
+                not isinstance(head_mask, Tensor)
+                or not head_mask.is_floating_point()
+            ):
+                got = (
+                    f"dtype {head_mask.dtype}"
+                    if isinstance(head_mask, Tensor)
+                    else type(head_mask).__name__
+                )
                 raise TypeError(
                     f"head_mask must be a float tensor of multipliers (1 keeps a head, 0 removes it), got {got}"
                 )
             expected = {"(num_heads,)": (H,), "(B, num_heads)": (B, H)}
             if tuple(head_mask.shape) not in expected.values():
                 raise ValueError(
-                    f"head_mask must have shape {_shape_text(expected)}, got shape {tuple(head_mask.shape)}"
+                    f"head_mask must have shape {shape_text(expected)}, got shape {tuple(head_mask.shape)}"
                 )
 
 
-def _attention_with_weights(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float
-) -> tuple[Tensor, Tensor]:
-    """The explicit path: softmax(q k^T / sqrt(d_k) + mask), dropout, times v.
+class _Mask(NamedTuple):
+    """What :meth:`MultiHeadAttention._prepare_mask` hands to the attention.
 
-    q (B, H, T_q, d_k), k and v (B, H, T_k, d_k) -> heads (B, H, T_q, d_k), weights (B, H, T_q, T_k).
+    ``additive``: float mask added to the scores, (1 or B, 1 or H, T_q, T_k),
+    or None. ``row_has_key``: 1 where a query row has an allowed key, 0 where
+    it has none, (..., T_q, 1), or None. ``is_causal``: let SDPA apply its own
+    causal mask.
     """
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T_q, T_k)
-    if mask is not None:
-        scores = scores + mask
-    weights = F.dropout(torch.softmax(scores, dim=-1), p=dropout_p)  # (B, H, T_q, T_k)
-    return weights @ v, weights  # (B, H, T_q, d_k)
+
+    additive: Tensor | None
+    row_has_key: Tensor | None
+    is_causal: bool
 
 
-def _additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """Boolean mask (True = not allowed) -> 0 / -inf; a float mask is already additive."""
     if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+        blocked = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        return blocked.masked_fill_(mask, float("-inf"))
     return mask.to(dtype)
 
 
-def _unblock_empty_rows(mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Find query rows with no allowed key, and unblock them so softmax never sees a row of -inf.
-
-    Returns the mask with those rows set to 0 and ``row_has_key``, 1 where a row has an
-    allowed key and 0 where it has none (..., T_q, 1): the caller multiplies the attention
-    output by it, so blocked rows give exactly 0 and no NaN reaches the gradients.
-    """
-    row_has_key = (mask > float("-inf")).any(dim=-1, keepdim=True)  # (..., T_q, 1)
-    return mask.masked_fill(~row_has_key, 0.0), row_has_key.to(mask.dtype)
-
-
-def _causal_mask(T_q: int, T_k: int, device: torch.device) -> Tensor:
-    """(T_q, T_k) boolean, True above the diagonal: query i may not attend to keys after i."""
-    return torch.ones(T_q, T_k, dtype=torch.bool, device=device).triu(diagonal=1)
-
-
-def _shape_text(expected: dict[str, tuple[int, ...]]) -> str:
-    return " or ".join(f"{symbol} = {shape}" for symbol, shape in expected.items())
-
-
-def _check_mask(name: str, mask: Tensor, expected: dict[str, tuple[int, ...]]) -> None:
+def _check_mask(
+    name: str, mask: Tensor, expected: dict[str, tuple[int, ...]]
+) -> None:
     """A mask must be bool or float, have one of the expected shapes, and hold no NaN or +inf."""
     if not isinstance(mask, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+        raise TypeError(
+            f"{name} must be a torch.Tensor, got {type(mask).__name__}"
+        )
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(
             f"{name} must be a bool tensor (True = not allowed) or a float tensor (added to the scores), "
             f"got dtype {mask.dtype}"
         )
     if tuple(mask.shape) not in expected.values():
-        raise ValueError(f"{name} must have shape {_shape_text(expected)}, got shape {tuple(mask.shape)}")
-    if mask.is_floating_point() and not bool((mask < math.inf).all()):  # one pass: False for NaN and +inf
-        raise ValueError(f"{name} must not contain NaN or +inf (use -inf to block a key)")
+        raise ValueError(
+            f"{name} must have shape {shape_text(expected)}, got shape {tuple(mask.shape)}"
+        )
+    if mask.is_floating_point() and not bool(
+        (mask < math.inf).all()
+    ):  # one pass: False for NaN and +inf
+        raise ValueError(
+            f"{name} must not contain NaN or +inf (use -inf to block a key)"
+        )

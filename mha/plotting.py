@@ -1,7 +1,7 @@
 """Pictures for the book: attention maps, head grids, shape diagrams, benchmark plots.
 
-Every function draws from real arrays and returns the matplotlib objects it made,
-so a chapter can adjust or save them. Nothing here computes attention.
+Every function draws from real arrays and returns the matplotlib objects it
+made, so a chapter can adjust or save them. Nothing here computes attention.
 """
 
 from __future__ import annotations
@@ -15,13 +15,47 @@ from matplotlib.figure import Figure
 from numpy.typing import ArrayLike
 
 __all__ = [
+    "book_style",
     "plot_attention",
     "plot_head_grid",
     "plot_mask",
     "plot_head_flow",
     "plot_split_heads",
     "plot_merge_heads",
+    "plot_benchmark",
 ]
+
+
+#: The smallest font size any figure of the book uses, in points: at 100 dpi and
+#: the figure's own width, 7 points are 9.7 pixels on the page.
+MIN_FONT_SIZE = 7
+
+
+def book_style() -> None:
+    """Figures as the book shows them: text at least 7 points, sharp on dense screens.
+
+    Figures are at most 7.5 inches wide (the book's column at 100 dpi), so they
+    are shown at their own size, not shrunk; in a notebook they are sent at
+    twice the resolution ("retina"), with their size in CSS pixels attached.
+    """
+    plt.rcParams.update(
+        {
+            "figure.dpi": 100,
+            "font.size": 9,
+            "axes.titlesize": 10,
+            "axes.labelsize": 9,
+            "xtick.labelsize": 8,
+            "ytick.labelsize": 8,
+            "legend.fontsize": 8,
+        }
+    )
+    try:
+        from IPython import get_ipython
+        from matplotlib_inline.backend_inline import set_matplotlib_formats
+    except ImportError:  # not in IPython: nothing to configure
+        return
+    if get_ipython() is not None:
+        set_matplotlib_formats("retina")
 
 
 def plot_attention(
@@ -37,29 +71,20 @@ def plot_attention(
 ) -> Axes:
     """Draw one (T_q, T_k) attention map: row i is query i, column j is key j, colour = weight.
 
-    ``annotate`` writes each weight in its cell (default: when the map has at most 12 x 12 cells).
+    ``annotate`` writes each weight in its cell (default: when the map has at
+    most 12 x 12 cells).
     """
-    weights = np.asarray(weights, dtype=float)
-    if weights.ndim != 2:
-        raise ValueError(f"weights must have shape (T_q, T_k), got shape {weights.shape}")
+    weights = _check_map(weights)
     if ax is None:
-        _, ax = plt.subplots(figsize=(0.5 + 0.45 * weights.shape[1], 0.5 + 0.45 * weights.shape[0]))
-    image = ax.imshow(weights, cmap=cmap, vmin=0.0, vmax=vmax, aspect="equal")
-    t_q, t_k = weights.shape
-    ax.set_xticks(range(t_k), keys if keys is not None else range(t_k))
-    ax.set_yticks(range(t_q), queries if queries is not None else range(t_q))
+        t_q, t_k = weights.shape
+        _, ax = plt.subplots(figsize=(0.5 + 0.45 * t_k, 0.5 + 0.45 * t_q))
+    image = _draw_map(
+        ax, weights, queries, keys, annotate, vmax=vmax, cmap=cmap
+    )
     ax.set_xlabel("key")
     ax.set_ylabel("query")
     if title:
         ax.set_title(title)
-    if annotate is None:
-        annotate = t_q <= 12 and t_k <= 12
-    if annotate:
-        for i in range(t_q):
-            for j in range(t_k):
-                value = weights[i, j]
-                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8,
-                        color="white" if value > 0.6 * vmax else "black")
     ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
     return ax
 
@@ -81,24 +106,77 @@ def plot_head_grid(
     if weights.ndim == 3:
         weights = weights[None]
     if weights.ndim != 4:
-        raise ValueError(f"weights must have shape (L, H, T_q, T_k) or (H, T_q, T_k), got shape {weights.shape}")
-    n_rows, n_heads, t_q, t_k = weights.shape
-    fig, axes = plt.subplots(n_rows, n_heads, figsize=(2.6 * n_heads + 0.5, 2.6 * n_rows + 0.4), squeeze=False)
+        raise ValueError(
+            f"weights must have shape (L, H, T_q, T_k) or (H, T_q, T_k), got shape {weights.shape}"
+        )
+    n_rows, n_heads = weights.shape[:2]
+    fig, axes = plt.subplots(
+        n_rows,
+        n_heads,
+        figsize=(2.6 * n_heads + 0.5, 2.6 * n_rows + 0.4),
+        squeeze=False,
+    )
     for r in range(n_rows):
         for h in range(n_heads):
             ax = axes[r, h]
-            ax.imshow(weights[r, h], cmap="Blues", vmin=0.0, vmax=1.0)
-            ax.set_xticks(range(t_k), keys if keys is not None else range(t_k), fontsize=7)
-            ax.set_yticks(range(t_q), queries if queries is not None else range(t_q), fontsize=7)
-            ax.set_title(f"{row_label} {r}, head {h}" if n_rows > 1 else f"head {h}", fontsize=9)
-            if annotate:
-                for i in range(t_q):
-                    for j in range(t_k):
-                        ax.text(j, i, f"{weights[r, h, i, j]:.2f}", ha="center", va="center", fontsize=6)
+            _draw_map(ax, weights[r, h], queries, keys, annotate, fontsize=7)
+            ax.set_title(
+                f"{row_label} {r}, head {h}" if n_rows > 1 else f"head {h}",
+                fontsize=9,
+            )
     if suptitle:
         fig.suptitle(suptitle)
     fig.tight_layout()
     return fig
+
+
+def _check_map(weights: ArrayLike) -> np.ndarray:
+    weights = np.asarray(weights, dtype=float)
+    if weights.ndim != 2:
+        raise ValueError(
+            f"weights must have shape (T_q, T_k), got shape {weights.shape}"
+        )
+    return weights
+
+
+def _draw_map(
+    ax: Axes,
+    weights: np.ndarray,
+    queries: Sequence[str] | None,
+    keys: Sequence[str] | None,
+    annotate: bool | None,
+    *,
+    vmax: float = 1.0,
+    cmap: str = "Blues",
+    fontsize: float | None = None,
+):
+    """One (T_q, T_k) map on ``ax``: the image, tick labels, and the weights written in the cells."""
+    t_q, t_k = weights.shape
+    image = ax.imshow(weights, cmap=cmap, vmin=0.0, vmax=vmax, aspect="equal")
+    ax.set_xticks(
+        range(t_k), keys if keys is not None else range(t_k), fontsize=fontsize
+    )
+    ax.set_yticks(
+        range(t_q),
+        queries if queries is not None else range(t_q),
+        fontsize=fontsize,
+    )
+    if annotate is None:
+        annotate = t_q <= 12 and t_k <= 12
+    if annotate:
+        for i in range(t_q):
+            for j in range(t_k):
+                value = weights[i, j]
+                ax.text(
+                    j,
+                    i,
+                    f"{value:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=8 if fontsize is None else fontsize - 1,
+                    color="white" if value > 0.6 * vmax else "black",
+                )
+    return image
 
 
 def plot_mask(
@@ -113,26 +191,37 @@ def plot_mask(
 ) -> Axes:
     """Draw one boolean (T_q, T_k) mask: dark cell = True, light cell = False.
 
-    ``true_means`` / ``false_means`` label the two colours in a legend, because the
-    meaning of True depends on the library (True = may attend in the NumPy reference and in
-    ``F.scaled_dot_product_attention``; True = blocked in ``torch.nn.MultiheadAttention``).
-    A (T_k,) mask (one row of key padding) is drawn as a single row.
+    ``true_means`` / ``false_means`` label the two colours in a legend, because
+    the meaning of True depends on the library (True = may attend in the NumPy
+    reference and in ``F.scaled_dot_product_attention``; True = blocked in
+    ``torch.nn.MultiheadAttention``). A (T_k,) mask (one row of key padding) is
+    drawn as a single row.
     """
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
     mask = np.asarray(mask)
     if mask.dtype != bool:
-        raise TypeError(f"mask must be a boolean array, got dtype {mask.dtype}")
+        raise TypeError(
+            f"mask must be a boolean array, got dtype {mask.dtype}"
+        )
     if mask.ndim == 1:
         mask = mask[None, :]
     if mask.ndim != 2:
-        raise ValueError(f"mask must have shape (T_q, T_k) or (T_k,), got shape {mask.shape}")
+        raise ValueError(
+            f"mask must have shape (T_q, T_k) or (T_k,), got shape {mask.shape}"
+        )
     t_q, t_k = mask.shape
     if ax is None:
         _, ax = plt.subplots(figsize=(0.8 + 0.4 * t_k, 1.2 + 0.4 * t_q))
     colours = ["#eeeeee", "#2b5c8a"]  # False, True
-    ax.imshow(mask.astype(int), cmap=ListedColormap(colours), vmin=0, vmax=1, aspect="equal")
+    ax.imshow(
+        mask.astype(int),
+        cmap=ListedColormap(colours),
+        vmin=0,
+        vmax=1,
+        aspect="equal",
+    )
     ax.set_xticks(range(t_k), keys if keys is not None else range(t_k))
     ax.set_yticks(range(t_q), queries if queries is not None else range(t_q))
     ax.set_xticks(np.arange(-0.5, t_k, 1.0), minor=True)
@@ -143,41 +232,117 @@ def plot_mask(
     ax.set_ylabel("query")
     if title:
         ax.set_title(title)
-    handles = [Patch(facecolor=colours[1], label=f"True = {true_means}"),
-               Patch(facecolor=colours[0], edgecolor="#999999", label=f"False = {false_means}")]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 if t_q > 1 else -1.2),
-              ncol=1, fontsize=7, frameon=False)
+    handles = [
+        Patch(facecolor=colours[1], label=f"True = {true_means}"),
+        Patch(
+            facecolor=colours[0],
+            edgecolor="#999999",
+            label=f"False = {false_means}",
+        ),
+    ]
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.18 if t_q > 1 else -1.2),
+        ncol=1,
+        fontsize=7,
+        frameon=False,
+    )
     return ax
 
 
 _FLOW_HEAD_CMAPS = ("Blues", "Oranges", "Greens", "Purples", "Reds", "YlOrBr")
 
 
-def _flow_box(ax: Axes, values: np.ndarray, x0: float, y0: float, cmap: str, edge: str,
-                 vmin: float | None = None, vmax: float | None = None) -> None:
+def _flow_box(
+    ax: Axes,
+    values: np.ndarray,
+    x0: float,
+    y0: float,
+    cmap: str,
+    edge: str,
+    vmin: float | None = None,
+    vmax: float | None = None,
+) -> None:
     """Draw ``values`` (rows, cols) as a heatmap filling the box [x0, x0 + cols] x [y0, y0 + rows]."""
     rows, cols = values.shape
     if vmin is None or vmax is None:
         bound = float(np.max(np.abs(values))) or 1.0
         vmin, vmax = -bound, bound
-    ax.imshow(values, cmap=cmap, vmin=vmin, vmax=vmax, alpha=0.85,
-              extent=(x0, x0 + cols, y0, y0 + rows), origin="upper", interpolation="nearest", zorder=1)
-    ax.add_patch(plt.Rectangle((x0, y0), cols, rows, fill=False, edgecolor=edge, linewidth=1.5, zorder=2))
+    ax.imshow(
+        values,
+        cmap=cmap,
+        vmin=vmin,
+        vmax=vmax,
+        alpha=0.85,
+        extent=(x0, x0 + cols, y0, y0 + rows),
+        origin="upper",
+        interpolation="nearest",
+        zorder=1,
+    )
+    ax.add_patch(
+        plt.Rectangle(
+            (x0, y0),
+            cols,
+            rows,
+            fill=False,
+            edgecolor=edge,
+            linewidth=1.5,
+            zorder=2,
+        )
+    )
 
 
-def _flow_label(ax: Axes, name: str, shape: tuple[int, ...], x: float, y: float, color: str = "black") -> None:
+def _flow_label(
+    ax: Axes,
+    name: str,
+    shape: tuple[int, ...],
+    x: float,
+    y: float,
+    color: str = "black",
+) -> None:
     """Write ``name`` and its shape in two lines, centred under a box whose bottom edge is at ``y``."""
-    ax.text(x, y - 0.3, f"{name}\n{shape[0]}×{shape[1]}", ha="center", va="top", fontsize=7, color=color,
-            linespacing=1.1)
+    ax.text(
+        x,
+        y - 0.3,
+        f"{name}\n{shape[0]}×{shape[1]}",
+        ha="center",
+        va="top",
+        fontsize=7,
+        color=color,
+        linespacing=1.1,
+    )
 
 
-def _flow_arrow(ax: Axes, start: tuple[float, float], end: tuple[float, float], text: str = "",
-           color: str = "0.3") -> None:
-    ax.annotate("", xy=end, xytext=start,
-                arrowprops={"arrowstyle": "->", "color": color, "linewidth": 1.2, "shrinkA": 2, "shrinkB": 2})
+def _flow_arrow(
+    ax: Axes,
+    start: tuple[float, float],
+    end: tuple[float, float],
+    text: str = "",
+    color: str = "0.3",
+) -> None:
+    ax.annotate(
+        "",
+        xy=end,
+        xytext=start,
+        arrowprops={
+            "arrowstyle": "->",
+            "color": color,
+            "linewidth": 1.2,
+            "shrinkA": 2,
+            "shrinkB": 2,
+        },
+    )
     if text:
-        ax.text((start[0] + end[0]) / 2, (start[1] + end[1]) / 2 + 0.4, text, ha="center", va="bottom",
-                fontsize=7, color=color)
+        ax.text(
+            (start[0] + end[0]) / 2,
+            (start[1] + end[1]) / 2 + 0.4,
+            text,
+            ha="center",
+            va="bottom",
+            fontsize=7,
+            color=color,
+        )
 
 
 def plot_head_flow(
@@ -194,22 +359,37 @@ def plot_head_flow(
 ) -> Figure:
     """Draw multi-head self-attention, head by head, from the real arrays of one forward pass.
 
-    Every matrix is a box whose width and height are its number of columns and rows (one cell
-    per entry, coloured by value), so the picture shows the shapes exactly:
-    ``x`` (T, D) -> per head ``queries[i]``, ``keys[i]``, ``values[i]`` (T, d_k) -> ``weights[i]``
-    (T, T) -> ``heads[i]`` (T, d_k) -> ``concat`` (T, H * d_k) -> ``output`` (T, D_out).
-    Each head has its own colour, also in its slice of ``concat``; ``output`` is grey because
-    ``W_O`` mixes the heads.
+    Every matrix is a box whose width and height are its number of columns and
+    rows (one cell per entry, coloured by value), so the picture shows the
+    shapes exactly: ``x`` (T, D) -> per head ``queries[i]``, ``keys[i]``,
+    ``values[i]`` (T, d_k) -> ``weights[i]`` (T, T) -> ``heads[i]`` (T, d_k) ->
+    ``concat`` (T, H * d_k) -> ``output`` (T, D_out). Each head has its own
+    colour, also in its slice of ``concat``; ``output`` is grey because ``W_O``
+    mixes the heads.
     """
     x = np.asarray(x, dtype=float)
     concat = np.asarray(concat, dtype=float)
     output = np.asarray(output, dtype=float)
-    per_head = {name: [np.asarray(a, dtype=float) for a in arrays] for name, arrays in
-                (("queries", queries), ("keys", keys), ("values", values), ("weights", weights), ("heads", heads))}
+    per_head = {
+        name: [np.asarray(a, dtype=float) for a in arrays]
+        for name, arrays in (
+            ("queries", queries),
+            ("keys", keys),
+            ("values", values),
+            ("weights", weights),
+            ("heads", heads),
+        )
+    }
     n_heads = len(per_head["queries"])
-    if n_heads == 0 or any(len(arrays) != n_heads for arrays in per_head.values()):
-        raise ValueError("queries, keys, values, weights and heads must be non-empty and of the same length, got "
-                         + ", ".join(f"{name} {len(arrays)}" for name, arrays in per_head.items()))
+    if n_heads == 0 or any(
+        len(arrays) != n_heads for arrays in per_head.values()
+    ):
+        raise ValueError(
+            "queries, keys, values, weights and heads must be non-empty and of the same length, got "
+            + ", ".join(
+                f"{name} {len(arrays)}" for name, arrays in per_head.items()
+            )
+        )
     if x.ndim != 2:
         raise ValueError(f"x must have shape (T, D), got shape {x.shape}")
     t, d_model = x.shape
@@ -218,27 +398,47 @@ def plot_head_flow(
             cols_ok = array.shape[1] == t if name == "weights" else True
             if array.ndim != 2 or array.shape[0] != t or not cols_ok:
                 expected = f"({t}, {t})" if name == "weights" else f"({t}, d)"
-                raise ValueError(f"{name}[{i}] must have shape {expected}, got shape {array.shape}")
+                raise ValueError(
+                    f"{name}[{i}] must have shape {expected}, got shape {array.shape}"
+                )
     widths = [h.shape[1] for h in per_head["heads"]]
     if concat.shape != (t, sum(widths)):
-        raise ValueError(f"concat must have shape ({t}, {sum(widths)}), got shape {concat.shape}")
+        raise ValueError(
+            f"concat must have shape ({t}, {sum(widths)}), got shape {concat.shape}"
+        )
     if output.ndim != 2 or output.shape[0] != t:
-        raise ValueError(f"output must have shape ({t}, D_out), got shape {output.shape}")
+        raise ValueError(
+            f"output must have shape ({t}, D_out), got shape {output.shape}"
+        )
 
     gap = 3.0  # empty cells between boxes
     band = t + gap + 2.0  # height of one head's band, two-line labels included
     total_height = n_heads * band - gap
-    mid_y = total_height / 2 - t / 2  # y of the boxes that are shared by all heads
+    mid_y = (
+        total_height / 2 - t / 2
+    )  # y of the boxes that are shared by all heads
 
     qkv_x = d_model + 2 * gap
-    qkv_width = max(q.shape[1] + k.shape[1] + v.shape[1] for q, k, v in
-                    zip(per_head["queries"], per_head["keys"], per_head["values"])) + 2
+    qkv_width = (
+        max(
+            q.shape[1] + k.shape[1] + v.shape[1]
+            for q, k, v in zip(
+                per_head["queries"], per_head["keys"], per_head["values"]
+            )
+        )
+        + 2
+    )
     weights_x = qkv_x + qkv_width + 2 * gap
     heads_x = weights_x + t + 2 * gap
     concat_x = heads_x + max(widths) + 2 * gap
     output_x = concat_x + concat.shape[1] + 2 * gap
-    width_units, height_units = output_x + output.shape[1] + 1.0, total_height + 5.0
-    fig, ax = plt.subplots(figsize=(11, round(0.6 + 11 * height_units / width_units, 1)))
+    width_units, height_units = (
+        output_x + output.shape[1] + 1.0,
+        total_height + 5.0,
+    )
+    fig, ax = plt.subplots(
+        figsize=(11, round(0.6 + 11 * height_units / width_units, 1))
+    )
     _flow_box(ax, x, 0, mid_y, "Greys", "0.2")
     _flow_label(ax, "X", x.shape, d_model / 2, mid_y)
 
@@ -247,25 +447,77 @@ def plot_head_flow(
         cmap = _FLOW_HEAD_CMAPS[i % len(_FLOW_HEAD_CMAPS)]
         color = plt.get_cmap(cmap)(0.8)
         y0 = (n_heads - 1 - i) * band
-        q, k, v = per_head["queries"][i], per_head["keys"][i], per_head["values"][i]
+        q, k, v = (
+            per_head["queries"][i],
+            per_head["keys"][i],
+            per_head["values"][i],
+        )
         cursor = qkv_x
         for name, array in (("Q", q), ("K", k), ("V", v)):
             _flow_box(ax, array, cursor, y0, cmap, color)
-            _flow_label(ax, f"{name}_{i}", array.shape, cursor + array.shape[1] / 2, y0, color)
+            _flow_label(
+                ax,
+                f"{name}_{i}",
+                array.shape,
+                cursor + array.shape[1] / 2,
+                y0,
+                color,
+            )
             cursor += array.shape[1] + 1
-        ax.text((qkv_x + cursor - 1) / 2, y0 + t + 0.3, f"X @ W_Q[{i}], X @ W_K[{i}], X @ W_V[{i}]", ha="center",
-                va="bottom", fontsize=7, color=color)
-        _flow_arrow(ax, (d_model, mid_y + t / 2), (qkv_x, y0 + t / 2), "", color)
-        _flow_box(ax, per_head["weights"][i], weights_x, y0, cmap, color, vmin=0.0, vmax=1.0)
+        ax.text(
+            (qkv_x + cursor - 1) / 2,
+            y0 + t + 0.3,
+            f"X @ W_Q[{i}], X @ W_K[{i}], X @ W_V[{i}]",
+            ha="center",
+            va="bottom",
+            fontsize=7,
+            color=color,
+        )
+        _flow_arrow(
+            ax, (d_model, mid_y + t / 2), (qkv_x, y0 + t / 2), "", color
+        )
+        _flow_box(
+            ax,
+            per_head["weights"][i],
+            weights_x,
+            y0,
+            cmap,
+            color,
+            vmin=0.0,
+            vmax=1.0,
+        )
         _flow_label(ax, f"weights_{i}", (t, t), weights_x + t / 2, y0, color)
-        _flow_arrow(ax, (cursor - 1, y0 + t / 2), (weights_x, y0 + t / 2), "softmax", color)
+        _flow_arrow(
+            ax,
+            (cursor - 1, y0 + t / 2),
+            (weights_x, y0 + t / 2),
+            "softmax",
+            color,
+        )
         head = per_head["heads"][i]
         _flow_box(ax, head, heads_x, y0, cmap, color)
-        _flow_label(ax, f"head_{i}", head.shape, heads_x + head.shape[1] / 2, y0, color)
-        _flow_arrow(ax, (weights_x + t, y0 + t / 2), (heads_x, y0 + t / 2), "@ V", color)
-        _flow_box(ax, concat[:, offset:offset + widths[i]], concat_x + offset, mid_y, cmap, color)
+        _flow_label(
+            ax, f"head_{i}", head.shape, heads_x + head.shape[1] / 2, y0, color
+        )
+        _flow_arrow(
+            ax,
+            (weights_x + t, y0 + t / 2),
+            (heads_x, y0 + t / 2),
+            "@ V",
+            color,
+        )
+        _flow_box(
+            ax,
+            concat[:, offset : offset + widths[i]],
+            concat_x + offset,
+            mid_y,
+            cmap,
+            color,
+        )
         head_mid = y0 + t / 2
-        if head_mid > mid_y + t:  # band above the concat box: arrive at the top of this head's slice
+        if (
+            head_mid > mid_y + t
+        ):  # band above the concat box: arrive at the top of this head's slice
             target = (concat_x + offset + widths[i] / 2, mid_y + t)
         elif head_mid < mid_y:  # band below: arrive at the bottom of the slice
             target = (concat_x + offset + widths[i] / 2, mid_y)
@@ -273,21 +525,35 @@ def plot_head_flow(
             target = (concat_x, head_mid)
         _flow_arrow(ax, (heads_x + head.shape[1], head_mid), target, "", color)
         offset += widths[i]
-    _flow_label(ax, "concat", concat.shape, concat_x + concat.shape[1] / 2, mid_y)
+    _flow_label(
+        ax, "concat", concat.shape, concat_x + concat.shape[1] / 2, mid_y
+    )
     _flow_box(ax, output, output_x, mid_y, "Greys", "0.2")
-    _flow_label(ax, "output", output.shape, output_x + output.shape[1] / 2, mid_y)
-    _flow_arrow(ax, (concat_x + concat.shape[1], mid_y + t / 2), (output_x, mid_y + t / 2), "@ W_O")
+    _flow_label(
+        ax, "output", output.shape, output_x + output.shape[1] / 2, mid_y
+    )
+    _flow_arrow(
+        ax,
+        (concat_x + concat.shape[1], mid_y + t / 2),
+        (output_x, mid_y + t / 2),
+        "@ W_O",
+    )
 
     ax.set_xlim(-0.5, output_x + output.shape[1] + 0.5)
     ax.set_ylim(-2.6, total_height + 1.6)
     ax.set_aspect("equal")
     ax.axis("off")
-    ax.set_title(title or f"Multi-head attention, {n_heads} heads: every box is drawn to its shape (one cell per entry)")
+    ax.set_title(
+        title
+        or f"Multi-head attention, {n_heads} heads: every box is drawn to its shape (one cell per entry)"
+    )
     fig.tight_layout()
     return fig
 
 
-def _trace_entries(source: np.ndarray, name: str) -> dict[float, tuple[int, ...]]:
+def _trace_entries(
+    source: np.ndarray, name: str
+) -> dict[float, tuple[int, ...]]:
     """Map each value of ``source`` to its index, so a moved entry can be traced back to where it came from."""
     flat = source.ravel().tolist()
     if len(set(flat)) != len(flat):
@@ -295,10 +561,19 @@ def _trace_entries(source: np.ndarray, name: str) -> dict[float, tuple[int, ...]
             f"{name} must hold distinct values so that each entry can be traced (np.arange works), "
             f"got {len(flat) - len(set(flat))} repeated values"
         )
-    return {value: tuple(int(i) for i in np.unravel_index(k, source.shape)) for k, value in enumerate(flat)}
+    return {
+        value: tuple(int(i) for i in np.unravel_index(k, source.shape))
+        for k, value in enumerate(flat)
+    }
 
 
-def _draw_cells(ax: Axes, values: np.ndarray, fills: np.ndarray, misplaced: np.ndarray, title: str) -> None:
+def _draw_cells(
+    ax: Axes,
+    values: np.ndarray,
+    fills: np.ndarray,
+    misplaced: np.ndarray,
+    title: str,
+) -> None:
     """Draw a (rows, cols) grid: cell fill from ``fills`` (RGBA), the value written in it, red edge if misplaced."""
     from matplotlib.patches import Rectangle
 
@@ -307,11 +582,27 @@ def _draw_cells(ax: Axes, values: np.ndarray, fills: np.ndarray, misplaced: np.n
     for i in range(rows):
         for j in range(cols):
             bad = bool(misplaced[i, j])
-            ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=fills[i, j],
-                                   edgecolor="red" if bad else "white", linewidth=2.5 if bad else 1.0))
+            ax.add_patch(
+                Rectangle(
+                    (j - 0.5, i - 0.5),
+                    1,
+                    1,
+                    facecolor=fills[i, j],
+                    edgecolor="red" if bad else "white",
+                    linewidth=2.5 if bad else 1.0,
+                )
+            )
             text = f"{values[i, j]:.0f}" if whole else f"{values[i, j]:.2f}"
-            ax.text(j, i, text, ha="center", va="center", fontsize=8,
-                    fontweight="bold" if bad else "normal", color="darkred" if bad else "black")
+            ax.text(
+                j,
+                i,
+                text,
+                ha="center",
+                va="center",
+                fontsize=8,
+                fontweight="bold" if bad else "normal",
+                color="darkred" if bad else "black",
+            )
     ax.set_xlim(-0.5, cols - 0.5)
     ax.set_ylim(rows - 0.5, -0.5)
     ax.set_aspect("equal")
@@ -323,81 +614,230 @@ def _draw_cells(ax: Axes, values: np.ndarray, fills: np.ndarray, misplaced: np.n
     ax.set_title(title, fontsize=9)
 
 
-def _head_colour(head: int, alpha: float = 0.45) -> tuple[float, float, float, float]:
+def _head_colour(
+    head: int, alpha: float = 0.45
+) -> tuple[float, float, float, float]:
     red, green, blue, _ = plt.get_cmap("tab10")(head % 10)
     return (red, green, blue, alpha)
 
 
-def plot_split_heads(x: ArrayLike, heads: ArrayLike, *, title: str | None = None) -> Figure:
+def plot_split_heads(
+    x: ArrayLike, heads: ArrayLike, *, title: str | None = None
+) -> Figure:
     """Draw a (T, D) matrix with its columns coloured by head, next to the (H, T, d_k) stack made from it.
 
-    ``x`` must hold distinct values (``np.arange(T * D).reshape(T, D)`` is ideal) so that every
-    entry of ``heads`` can be traced back to the row (token) and column (feature) it came from.
-    In the stack, a cell takes the colour of the head whose columns it came from; a cell that came
-    from another token's row or another head's columns is outlined in red. With the correct split
-    (reshape to (T, H, d_k), then move H forward) no cell is red.
+    ``x`` must hold distinct values (``np.arange(T * D).reshape(T, D)`` is
+    ideal) so that every entry of ``heads`` can be traced back to the row
+    (token) and column (feature) it came from. In the stack, a cell takes the
+    colour of the head whose columns it came from; a cell that came from
+    another token's row or another head's columns is outlined in red. With the
+    correct split (reshape to (T, H, d_k), then move H forward) no cell is red.
     """
     x = np.asarray(x, dtype=float)
     heads = np.asarray(heads, dtype=float)
     if x.ndim != 2:
         raise ValueError(f"x must have shape (T, D), got shape {x.shape}")
-    if heads.ndim != 3 or heads.shape[0] * heads.shape[2] != x.shape[1] or heads.shape[1] != x.shape[0]:
-        raise ValueError(f"heads must have shape (H, T, d_k) with T = {x.shape[0]} and H * d_k = {x.shape[1]}, "
-                         f"got shape {heads.shape}")
+    if (
+        heads.ndim != 3
+        or heads.shape[0] * heads.shape[2] != x.shape[1]
+        or heads.shape[1] != x.shape[0]
+    ):
+        raise ValueError(
+            f"heads must have shape (H, T, d_k) with T = {x.shape[0]} and H * d_k = {x.shape[1]}, "
+            f"got shape {heads.shape}"
+        )
     t, d = x.shape
     n_heads, _, d_k = heads.shape
     origin = _trace_entries(x, "x")
-    fig, axes = plt.subplots(1, n_heads + 1, figsize=(0.42 * (d + n_heads * (d_k + 1)) + 1.0, 0.42 * t + 1.6),
-                             gridspec_kw={"width_ratios": [d] + [d_k] * n_heads})
-    column_fills = np.array([[_head_colour(j // d_k) for j in range(d)] for _ in range(t)])
-    _draw_cells(axes[0], x, column_fills, np.zeros((t, d), dtype=bool), f"x: (T, D) = ({t}, {d})")
+    fig, axes = plt.subplots(
+        1,
+        n_heads + 1,
+        figsize=(0.42 * (d + n_heads * (d_k + 1)) + 1.0, 0.42 * t + 1.6),
+        gridspec_kw={"width_ratios": [d] + [d_k] * n_heads},
+    )
+    column_fills = np.array(
+        [[_head_colour(j // d_k) for j in range(d)] for _ in range(t)]
+    )
+    _draw_cells(
+        axes[0],
+        x,
+        column_fills,
+        np.zeros((t, d), dtype=bool),
+        f"x: (T, D) = ({t}, {d})",
+    )
     axes[0].set_xlabel("feature (column of x)", fontsize=8)
     axes[0].set_ylabel("token", fontsize=8)
     for h in range(n_heads):
         if any(value not in origin for value in heads[h].ravel().tolist()):
-            raise ValueError(f"heads[{h}] holds values that are not in x: draw arrays made from x")
-        sources = [[origin[value] for value in row] for row in heads[h].tolist()]  # (T, d_k) of (t, d)
-        fills = np.array([[_head_colour(src_d // d_k) for _, src_d in row] for row in sources])
-        misplaced = np.array([[src_t != i or src_d // d_k != h for src_t, src_d in row]
-                              for i, row in enumerate(sources)])
-        _draw_cells(axes[1 + h], heads[h], fills, misplaced, f"head {h}: (T, d_k)")
+            raise ValueError(
+                f"heads[{h}] holds values that are not in x: draw arrays made from x"
+            )
+        sources = [
+            [origin[value] for value in row] for row in heads[h].tolist()
+        ]  # (T, d_k) of (t, d)
+        fills = np.array(
+            [
+                [_head_colour(src_d // d_k) for _, src_d in row]
+                for row in sources
+            ]
+        )
+        misplaced = np.array(
+            [
+                [src_t != i or src_d // d_k != h for src_t, src_d in row]
+                for i, row in enumerate(sources)
+            ]
+        )
+        _draw_cells(
+            axes[1 + h], heads[h], fills, misplaced, f"head {h}: (T, d_k)"
+        )
         axes[1 + h].set_xlabel("feature in head", fontsize=8)
-    fig.suptitle(title or f"split: (T, D) = ({t}, {d})  ->  (H, T, d_k) = ({n_heads}, {t}, {d_k})", fontsize=10)
+    fig.suptitle(
+        title
+        or f"split: (T, D) = ({t}, {d})  ->  (H, T, d_k) = ({n_heads}, {t}, {d_k})",
+        fontsize=10,
+    )
     fig.tight_layout()
     return fig
 
 
-def plot_merge_heads(heads: ArrayLike, merged: ArrayLike, *, title: str | None = None) -> Figure:
+def plot_merge_heads(
+    heads: ArrayLike, merged: ArrayLike, *, title: str | None = None
+) -> Figure:
     """Draw an (H, T, d_k) stack next to the (T, D) matrix merged from it: the split read backwards.
 
-    ``heads`` must hold distinct values. A cell of ``merged`` takes the colour of the head it came
-    from; it is outlined in red when it came from another token, another head, or another position
-    in the head than the (T, H, d_k) order puts there.
+    ``heads`` must hold distinct values. A cell of ``merged`` takes the colour
+    of the head it came from; it is outlined in red when it came from another
+    token, another head, or another position in the head than the (T, H, d_k)
+    order puts there.
     """
     heads = np.asarray(heads, dtype=float)
     merged = np.asarray(merged, dtype=float)
     if heads.ndim != 3:
-        raise ValueError(f"heads must have shape (H, T, d_k), got shape {heads.shape}")
+        raise ValueError(
+            f"heads must have shape (H, T, d_k), got shape {heads.shape}"
+        )
     n_heads, t, d_k = heads.shape
     if merged.shape != (t, n_heads * d_k):
-        raise ValueError(f"merged must have shape (T, H * d_k) = ({t}, {n_heads * d_k}), got shape {merged.shape}")
+        raise ValueError(
+            f"merged must have shape (T, H * d_k) = ({t}, {n_heads * d_k}), got shape {merged.shape}"
+        )
     d = n_heads * d_k
     origin = _trace_entries(heads, "heads")
-    fig, axes = plt.subplots(1, n_heads + 1, figsize=(0.42 * (d + n_heads * (d_k + 1)) + 1.0, 0.42 * t + 1.6),
-                             gridspec_kw={"width_ratios": [d_k] * n_heads + [d]})
+    fig, axes = plt.subplots(
+        1,
+        n_heads + 1,
+        figsize=(0.42 * (d + n_heads * (d_k + 1)) + 1.0, 0.42 * t + 1.6),
+        gridspec_kw={"width_ratios": [d_k] * n_heads + [d]},
+    )
     for h in range(n_heads):
-        fills = np.array([[_head_colour(h) for _ in range(d_k)] for _ in range(t)])
-        _draw_cells(axes[h], heads[h], fills, np.zeros((t, d_k), dtype=bool), f"head {h}: (T, d_k)")
+        fills = np.array(
+            [[_head_colour(h) for _ in range(d_k)] for _ in range(t)]
+        )
+        _draw_cells(
+            axes[h],
+            heads[h],
+            fills,
+            np.zeros((t, d_k), dtype=bool),
+            f"head {h}: (T, d_k)",
+        )
         axes[h].set_xlabel("feature in head", fontsize=8)
     axes[0].set_ylabel("token", fontsize=8)
     if any(value not in origin for value in merged.ravel().tolist()):
-        raise ValueError("merged holds values that are not in heads: draw arrays made from heads")
-    sources = [[origin[value] for value in row] for row in merged.tolist()]  # (T, D) of (h, t, j)
-    fills = np.array([[_head_colour(src_h) for src_h, _, _ in row] for row in sources])
-    misplaced = np.array([[(src_h, src_t, src_j) != (j // d_k, i, j % d_k) for j, (src_h, src_t, src_j) in enumerate(row)]
-                          for i, row in enumerate(sources)])
-    _draw_cells(axes[-1], merged, fills, misplaced, f"merged: (T, D) = ({t}, {d})")
+        raise ValueError(
+            "merged holds values that are not in heads: draw arrays made from heads"
+        )
+    sources = [
+        [origin[value] for value in row] for row in merged.tolist()
+    ]  # (T, D) of (h, t, j)
+    fills = np.array(
+        [[_head_colour(src_h) for src_h, _, _ in row] for row in sources]
+    )
+    misplaced = np.array(
+        [
+            [
+                (src_h, src_t, src_j) != (j // d_k, i, j % d_k)
+                for j, (src_h, src_t, src_j) in enumerate(row)
+            ]
+            for i, row in enumerate(sources)
+        ]
+    )
+    _draw_cells(
+        axes[-1], merged, fills, misplaced, f"merged: (T, D) = ({t}, {d})"
+    )
     axes[-1].set_xlabel("feature (column)", fontsize=8)
-    fig.suptitle(title or f"merge: (H, T, d_k) = ({n_heads}, {t}, {d_k})  ->  (T, D) = ({t}, {d})", fontsize=10)
+    fig.suptitle(
+        title
+        or f"merge: (H, T, d_k) = ({n_heads}, {t}, {d_k})  ->  (T, D) = ({t}, {d})",
+        fontsize=10,
+    )
     fig.tight_layout()
     return fig
+
+
+def plot_benchmark(
+    report: dict,
+    series: dict[str, str],
+    field: str = "median_s",
+    ax: Axes | None = None,
+    *,
+    scale: float = 1.0,
+    ylabel: str = "median time per call (s)",
+    title: str | None = None,
+    styles: dict[str, str] | None = None,
+    log_y: bool = True,
+) -> Axes:
+    """Plot ``field`` of a benchmark report against T, one line per implementation.
+
+    Args:
+        report: a report of ``python -m mha.bench``
+        (:func:`mha.bench.load_results`). series: implementation name -> label
+        in the legend, in drawing order. field: the row field to draw
+        (``median_s``, ``flop_per_s``, ``peak_memory_bytes``, ...). scale:
+        divide the values by this (``1e-3`` shows seconds as ms, ``2**20``
+        bytes as MiB). styles: implementation name -> matplotlib format string
+        (default ``"o-"``). log_y: a logarithmic y axis with ticks at 1, 2, 5
+        times powers of ten.
+
+    T is on a base-2 logarithmic axis labelled with the measured lengths.
+    """
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.4, 4.2))
+    lengths: set[int] = set()
+    for impl, label in series.items():
+        pairs = [
+            (row["seq_len"], row[field])
+            for row in report["results"]
+            if row["impl"] == impl
+            and row["status"] == "ok"
+            and row.get(field) is not None
+        ]
+        if not pairs:
+            continue
+        seq_lens, values = zip(*pairs)
+        lengths.update(seq_lens)
+        style = (styles or {}).get(impl, "o-")
+        ax.plot(
+            seq_lens,
+            np.asarray(values, dtype=float) / scale,
+            style,
+            label=label,
+        )
+    ticks = sorted(lengths)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.xaxis.set_minor_locator(NullLocator())
+    if log_y:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+        ax.yaxis.set_major_formatter(
+            FuncFormatter(lambda value, _: f"{value:g}")
+        )
+        ax.yaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("sequence length T (tokens)")
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+    return ax

@@ -1,14 +1,19 @@
 """NumPy reference implementation of scaled dot-product and multi-head attention.
 
-Everything here is plain NumPy, written to be read. Conventions (see the notation appendix):
+Everything here is plain NumPy, written to be read: each public function is the
+math, and the argument checks live in ``_check_*`` helpers below it.
+Conventions (see the notation appendix):
 
-* Row vectors: a token is a row, a projection is ``x @ w`` with ``w`` of shape ``(d_in, d_out)``.
-  (``torch.nn.Linear`` stores the transpose, ``(d_out, d_in)``.)
-* Shapes: ``B`` batch, ``T`` sequence length (``T_q`` queries, ``T_k`` keys), ``D`` = d_model,
-  ``H`` heads, ``d_k = D / H``.
-* Boolean masks: ``True`` = this query may attend to this key. (``torch.nn.MultiheadAttention``
-  uses the opposite convention; chapter 07 puts the two side by side.)
-* A query row whose keys are all masked gets zero weights and a zero output, never NaN.
+* Row vectors: a token is a row, a projection is ``x @ w`` with ``w`` of shape
+  ``(d_in, d_out)``. (``torch.nn.Linear`` stores the transpose, ``(d_out,
+  d_in)``.)
+* Shapes: ``B`` batch, ``T`` sequence length (``T_q`` queries, ``T_k`` keys),
+  ``D`` = d_model, ``H`` heads, ``d_k = D / H``.
+* Boolean masks: ``True`` = this query may attend to this key.
+  (``torch.nn.MultiheadAttention`` uses the opposite convention; chapter 07
+  puts the two side by side.)
+* A query row whose keys are all masked gets zero weights and a zero output,
+  never NaN.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
+
+from ._validate import check_choice, check_divisible, check_int
 
 __all__ = [
     "softmax",
@@ -30,42 +37,22 @@ __all__ = [
     "padding_mask",
 ]
 
-
-def _as_float_array(name: str, value: ArrayLike) -> NDArray[np.floating]:
-    """Return ``value`` as a floating-point array (integers become float64)."""
-    array = np.asarray(value)
-    if array.dtype == bool or not np.issubdtype(array.dtype, np.number):
-        raise TypeError(f"{name} must be a numeric array, got dtype {array.dtype}")
-    if np.issubdtype(array.dtype, np.complexfloating):
-        raise TypeError(f"{name} must be real, got dtype {array.dtype}")
-    if not np.issubdtype(array.dtype, np.floating):
-        array = array.astype(np.float64)
-    return array
+Array = NDArray[np.floating]
 
 
-def _check_ndim(name: str, array: np.ndarray, allowed: Sequence[int], shape_text: str) -> None:
-    if array.ndim not in allowed:
-        raise ValueError(
-            f"{name} must have shape {shape_text} ({' or '.join(map(str, allowed))} dimensions), "
-            f"got shape {array.shape} ({array.ndim} dimensions)"
-        )
-
-
-def softmax(x: ArrayLike, axis: int = -1) -> NDArray[np.floating]:
+def softmax(x: ArrayLike, axis: int = -1) -> Array:
     """Numerically stable softmax along ``axis``.
 
     Subtracting the row maximum before ``exp`` changes nothing mathematically
-    (softmax is invariant to adding a constant) but keeps ``exp`` from overflowing.
-    Entries equal to ``-inf`` get weight 0; a slice that is entirely ``-inf``
-    (a fully masked row) gives all zeros instead of NaN.
+    (softmax is invariant to adding a constant) but keeps ``exp`` from
+    overflowing. Entries equal to ``-inf`` get weight 0; a slice that is
+    entirely ``-inf`` (a fully masked row) gives all zeros instead of NaN.
     """
-    x = _as_float_array("x", x)
-    if np.isnan(x).any():
-        raise ValueError("x must not contain NaN")
-    if np.isposinf(x).any():
-        raise ValueError("x must not contain +inf (use -inf to exclude an entry)")
+    x = _check_scores(x)
     row_max = np.max(x, axis=axis, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)  # all -inf row: avoid -inf - -inf
+    row_max = np.where(
+        np.isfinite(row_max), row_max, 0.0
+    )  # all -inf row: no -inf - -inf
     exps = np.exp(x - row_max)
     totals = np.sum(exps, axis=axis, keepdims=True)
     return np.divide(exps, totals, out=np.zeros_like(exps), where=totals > 0)
@@ -78,7 +65,7 @@ def scaled_dot_product_attention(
     mask: ArrayLike | None = None,
     *,
     scale: float | None = None,
-) -> tuple[NDArray[np.floating], NDArray[np.floating]]:
+) -> tuple[Array, Array]:
     """softmax(q k^T / sqrt(d_k)) v, for any number of leading batch/head axes.
 
     Args:
@@ -90,92 +77,35 @@ def scaled_dot_product_attention(
         scale: factor applied to the dot products; default ``1 / sqrt(d_k)``.
 
     Returns:
-        ``(output, weights)`` with shapes ``(..., T_q, d_v)`` and ``(..., T_q, T_k)``.
+        ``(output, weights)`` with shapes ``(..., T_q, d_v)`` and ``(..., T_q,
+        T_k)``.
     """
-    q = _as_float_array("q", q)
-    k = _as_float_array("k", k)
-    v = _as_float_array("v", v)
-    for name, array, text in (
-        ("q", q, "(..., T_q, d_k)"),
-        ("k", k, "(..., T_k, d_k)"),
-        ("v", v, "(..., T_k, d_v)"),
-    ):
-        if array.ndim < 2:
-            raise ValueError(f"{name} must have shape {text} (at least 2 dimensions), got shape {array.shape}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"q and k must have the same last dimension d_k, got q {q.shape} and k {k.shape}"
-        )
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(
-            f"k and v must have the same number of positions T_k, got k {k.shape} and v {v.shape}"
-        )
-    try:
-        batch_shape = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    except ValueError:
-        raise ValueError(
-            f"the leading (batch/head) axes of q {q.shape}, k {k.shape} and v {v.shape} do not broadcast"
-        ) from None
-
-    d_k = q.shape[-1]
+    q, k, v, mask = _check_attention_inputs(q, k, v, mask)
     if scale is None:
-        scale = 1.0 / np.sqrt(d_k)
+        scale = 1.0 / np.sqrt(q.shape[-1])
     scores = (q @ np.swapaxes(k, -1, -2)) * scale  # (..., T_q, T_k)
     if mask is not None:
-        mask = np.asarray(mask)
-        if mask.dtype != bool:
-            raise TypeError(f"mask must be a boolean array (True = may attend), got dtype {mask.dtype}")
-        scores_shape = batch_shape + scores.shape[-2:]
-        try:
-            fits = np.broadcast_shapes(mask.shape, scores_shape) == scores_shape
-        except ValueError:
-            fits = False
-        if not fits:
-            raise ValueError(
-                f"mask must broadcast to the scores' shape {scores_shape} (..., T_q, T_k), got shape {mask.shape}"
-            )
-        scores = np.where(mask, scores, -np.inf)
+        scores = np.where(mask, scores, -np.inf)  # a blocked key gets weight 0
     weights = softmax(scores, axis=-1)  # (..., T_q, T_k)
-    output = weights @ v  # (..., T_q, d_v)
-    return output, weights
+    return weights @ v, weights  # (..., T_q, d_v), (..., T_q, T_k)
 
 
-def split_heads(x: ArrayLike, num_heads: int) -> NDArray[np.floating]:
+def split_heads(x: ArrayLike, num_heads: int) -> Array:
     """(..., T, D) -> (..., H, T, D / H): cut the feature axis into heads, then move heads forward."""
-    x = _as_float_array("x", x)
-    if x.ndim < 2:
-        raise ValueError(f"x must have shape (..., T, D) (at least 2 dimensions), got shape {x.shape}")
-    _check_num_heads(x.shape[-1], num_heads, "the last dimension of x")
+    x = _check_array("x", x, min_ndim=2, shape_text="(..., T, D)")
     *lead, t, d = x.shape
-    heads = x.reshape(*lead, t, num_heads, d // num_heads)  # (..., T, H, d_k)
+    d_k = _check_heads("the last dimension of x", d, num_heads)
+    heads = x.reshape(*lead, t, num_heads, d_k)  # (..., T, H, d_k)
     return np.swapaxes(heads, -3, -2)  # (..., H, T, d_k)
 
 
-def merge_heads(x: ArrayLike) -> NDArray[np.floating]:
+def merge_heads(x: ArrayLike) -> Array:
     """(..., H, T, d_k) -> (..., T, H * d_k): the inverse of :func:`split_heads`."""
-    x = _as_float_array("x", x)
-    if x.ndim < 3:
-        raise ValueError(f"x must have shape (..., H, T, d_k) (at least 3 dimensions), got shape {x.shape}")
+    x = _check_array("x", x, min_ndim=3, shape_text="(..., H, T, d_k)")
     *lead, h, t, d_k = x.shape
-    return np.swapaxes(x, -3, -2).reshape(*lead, t, h * d_k)  # (..., T, H, d_k) -> (..., T, D)
-
-
-def _check_num_heads(d_model: int, num_heads: int, what: str) -> None:
-    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)):
-        raise TypeError(f"num_heads must be an int, got {type(num_heads).__name__}")
-    if num_heads < 1:
-        raise ValueError(f"num_heads must be at least 1, got {num_heads}")
-    if d_model % num_heads != 0:
-        raise ValueError(f"{what} ({d_model}) must be divisible by num_heads ({num_heads})")
-
-
-def _check_matrix(name: str, w: np.ndarray, rows: int | None, cols: int | None, text: str) -> None:
-    if w.ndim != 2 or (rows is not None and w.shape[0] != rows) or (cols is not None and w.shape[1] != cols):
-        raise ValueError(f"{name} must have shape {text}, got shape {w.shape}")
-
-
-def _check_inputs(name: str, x: np.ndarray) -> None:
-    _check_ndim(name, x, (2, 3), "(T, d) or (B, T, d)")
+    return np.swapaxes(x, -3, -2).reshape(
+        *lead, t, h * d_k
+    )  # (..., T, H, d_k) -> (..., T, D)
 
 
 def multi_head_attention_loop(
@@ -185,55 +115,40 @@ def multi_head_attention_loop(
     w_v_heads: Sequence[ArrayLike],
     w_o: ArrayLike,
     mask: ArrayLike | None = None,
-) -> tuple[NDArray[np.floating], NDArray[np.floating]]:
+) -> tuple[Array, Array]:
     """Multi-head self-attention, one head at a time: the form the definition is written in.
 
     Args:
         x: inputs, shape ``(T, D)`` or ``(B, T, D)``.
-        w_q_heads, w_k_heads, w_v_heads: one matrix per head, each ``(D, d_k)`` (``(D, d_v)`` for values).
+        w_q_heads, w_k_heads, w_v_heads: one matrix per head, each ``(D, d_k)``
+            (``(D, d_v)`` for values).
         w_o: output projection, shape ``(H * d_v, D_out)``.
-        mask: optional boolean mask broadcastable to ``(..., H, T, T)``; True = may attend.
+        mask: optional boolean mask broadcastable to ``(..., H, T, T)``; True =
+        may attend.
 
     Returns:
-        ``(output, weights)`` with shapes ``(..., T, D_out)`` and ``(..., H, T, T)``.
+        ``(output, weights)`` with shapes ``(..., T, D_out)`` and ``(..., H, T,
+        T)``.
     """
-    x = _as_float_array("x", x)
-    _check_inputs("x", x)
-    w_o = _as_float_array("w_o", w_o)
-    num_heads = len(w_q_heads)
-    if num_heads == 0 or len(w_k_heads) != num_heads or len(w_v_heads) != num_heads:
-        raise ValueError(
-            "w_q_heads, w_k_heads and w_v_heads must be non-empty lists of the same length, got lengths "
-            f"{len(w_q_heads)}, {len(w_k_heads)} and {len(w_v_heads)}"
-        )
-    d_in = x.shape[-1]
-    if mask is not None:
-        mask = np.asarray(mask)
-        if mask.ndim >= 3:  # a mask with a head axis: give each head its slice
-            if mask.shape[-3] not in (1, num_heads):
-                raise ValueError(
-                    f"mask's head axis (axis -3) must have size 1 or num_heads={num_heads}, got shape {mask.shape}"
-                )
-            head_masks = [np.take(mask, i if mask.shape[-3] > 1 else 0, axis=-3) for i in range(num_heads)]
-        else:
-            head_masks = [mask] * num_heads
+    x, w_q_heads, w_k_heads, w_v_heads, w_o, head_masks = _check_loop_inputs(
+        x, w_q_heads, w_k_heads, w_v_heads, w_o, mask
+    )
     outputs, weights = [], []
-    for i in range(num_heads):
-        w_q_i = _as_float_array(f"w_q_heads[{i}]", w_q_heads[i])
-        w_k_i = _as_float_array(f"w_k_heads[{i}]", w_k_heads[i])
-        w_v_i = _as_float_array(f"w_v_heads[{i}]", w_v_heads[i])
-        _check_matrix(f"w_q_heads[{i}]", w_q_i, d_in, None, f"({d_in}, d_k)")
-        _check_matrix(f"w_k_heads[{i}]", w_k_i, d_in, w_q_i.shape[1], f"({d_in}, {w_q_i.shape[1]})")
-        _check_matrix(f"w_v_heads[{i}]", w_v_i, d_in, None, f"({d_in}, d_v)")
-        q_i, k_i, v_i = x @ w_q_i, x @ w_k_i, x @ w_v_i  # (..., T, d_k), (..., T, d_k), (..., T, d_v)
-        out_i, weights_i = scaled_dot_product_attention(
-            q_i, k_i, v_i, None if mask is None else head_masks[i]
-        )
+    for w_q_i, w_k_i, w_v_i, mask_i in zip(
+        w_q_heads, w_k_heads, w_v_heads, head_masks
+    ):
+        q_i, k_i, v_i = (
+            x @ w_q_i,
+            x @ w_k_i,
+            x @ w_v_i,
+        )  # (..., T, d_k), (..., T, d_k), (..., T, d_v)
+        out_i, weights_i = scaled_dot_product_attention(q_i, k_i, v_i, mask_i)
         outputs.append(out_i)  # (..., T, d_v)
         weights.append(weights_i)  # (..., T, T)
     concat = np.concatenate(outputs, axis=-1)  # (..., T, H * d_v)
-    _check_matrix("w_o", w_o, concat.shape[-1], None, f"({concat.shape[-1]}, D_out)")
-    return concat @ w_o, np.stack(weights, axis=-3)  # (..., T, D_out), (..., H, T, T)
+    return concat @ w_o, np.stack(
+        weights, axis=-3
+    )  # (..., T, D_out), (..., H, T, T)
 
 
 def multi_head_cross_attention(
@@ -245,44 +160,37 @@ def multi_head_cross_attention(
     w_o: ArrayLike,
     num_heads: int,
     mask: ArrayLike | None = None,
-) -> tuple[NDArray[np.floating], NDArray[np.floating]]:
+) -> tuple[Array, Array]:
     """Multi-head attention of queries from ``x_q`` over keys and values from ``x_kv``.
 
-    The fused form: one projection per role, then reshape and transpose to put heads on
-    their own axis, so all heads run in one batched matrix product.
+    The fused form: one projection per role, then reshape and transpose to put
+    heads on their own axis, so all heads run in one batched matrix product.
 
     Args:
         x_q: query inputs, shape ``(T_q, D_q)`` or ``(B, T_q, D_q)``.
         x_kv: key/value inputs, shape ``(T_k, D_kv)`` or ``(B, T_k, D_kv)``.
-        w_q: ``(D_q, D)``; w_k, w_v: ``(D_kv, D)``; w_o: ``(D, D_out)``. D must be divisible by num_heads.
+        w_q: ``(D_q, D)``; w_k, w_v: ``(D_kv, D)``; w_o: ``(D, D_out)``.
+            D must be divisible by num_heads.
         num_heads: H.
-        mask: optional boolean mask broadcastable to ``(..., H, T_q, T_k)``; True = may attend.
+        mask: optional boolean mask broadcastable to ``(..., H, T_q, T_k)``;
+        True = may attend.
 
     Returns:
-        ``(output, weights)`` with shapes ``(..., T_q, D_out)`` and ``(..., H, T_q, T_k)``.
+        ``(output, weights)`` with shapes ``(..., T_q, D_out)`` and ``(..., H,
+        T_q, T_k)``.
     """
-    x_q = _as_float_array("x_q", x_q)
-    x_kv = _as_float_array("x_kv", x_kv)
-    _check_inputs("x_q", x_q)
-    _check_inputs("x_kv", x_kv)
-    if x_q.ndim != x_kv.ndim or (x_q.ndim == 3 and x_q.shape[0] != x_kv.shape[0]):
-        raise ValueError(
-            f"x_q and x_kv must both be batched with the same batch size or both unbatched, "
-            f"got shapes {x_q.shape} and {x_kv.shape}"
-        )
-    w_q, w_k, w_v, w_o = (_as_float_array(n, w) for n, w in (("w_q", w_q), ("w_k", w_k), ("w_v", w_v), ("w_o", w_o)))
-    _check_matrix("w_q", w_q, x_q.shape[-1], None, f"({x_q.shape[-1]}, d_model)")
-    d_model = w_q.shape[1]
-    _check_num_heads(d_model, num_heads, "d_model (the second dimension of w_q)")
-    _check_matrix("w_k", w_k, x_kv.shape[-1], d_model, f"({x_kv.shape[-1]}, {d_model})")
-    _check_matrix("w_v", w_v, x_kv.shape[-1], d_model, f"({x_kv.shape[-1]}, {d_model})")
-    _check_matrix("w_o", w_o, d_model, None, f"({d_model}, D_out)")
-
+    x_q, x_kv, w_q, w_k, w_v, w_o = _check_projection_inputs(
+        ("x_q", x_q), ("x_kv", x_kv), w_q, w_k, w_v, w_o, num_heads
+    )
     q = split_heads(x_q @ w_q, num_heads)  # (..., H, T_q, d_k)
     k = split_heads(x_kv @ w_k, num_heads)  # (..., H, T_k, d_k)
     v = split_heads(x_kv @ w_v, num_heads)  # (..., H, T_k, d_k)
-    heads, weights = scaled_dot_product_attention(q, k, v, mask)  # (..., H, T_q, d_k), (..., H, T_q, T_k)
-    return merge_heads(heads) @ w_o, weights  # (..., T_q, D_out)
+    heads, weights = scaled_dot_product_attention(
+        q, k, v, mask
+    )  # (..., H, T_q, d_k)
+    return merge_heads(
+        heads
+    ) @ w_o, weights  # (..., T_q, D_out), (..., H, T_q, T_k)
 
 
 def multi_head_attention(
@@ -293,46 +201,297 @@ def multi_head_attention(
     w_o: ArrayLike,
     num_heads: int,
     mask: ArrayLike | None = None,
-) -> tuple[NDArray[np.floating], NDArray[np.floating]]:
+) -> tuple[Array, Array]:
     """Multi-head self-attention, fused: :func:`multi_head_cross_attention` with ``x_q = x_kv = x``.
 
     Args:
         x: inputs, shape ``(T, D)`` or ``(B, T, D)``.
-        w_q, w_k, w_v: ``(D, D)`` projections (head i uses columns ``i*d_k:(i+1)*d_k``); w_o: ``(D, D_out)``.
+        w_q, w_k, w_v: ``(D, D)`` projections (head i uses columns
+        ``i*d_k:(i+1)*d_k``);
+            w_o: ``(D, D_out)``.
         num_heads: H; D must be divisible by H.
-        mask: optional boolean mask broadcastable to ``(..., H, T, T)``; True = may attend.
+        mask: optional boolean mask broadcastable to ``(..., H, T, T)``; True =
+        may attend.
 
     Returns:
-        ``(output, weights)`` with shapes ``(..., T, D_out)`` and ``(..., H, T, T)``.
+        ``(output, weights)`` with shapes ``(..., T, D_out)`` and ``(..., H, T,
+        T)``.
     """
-    try:
-        return multi_head_cross_attention(x, x, w_q, w_k, w_v, w_o, num_heads, mask)
-    except (ValueError, TypeError) as error:  # speak of x, not x_q / x_kv
-        message = str(error).replace("x_q and x_kv", "x").replace("x_q", "x").replace("x_kv", "x")
-        raise type(error)(message) from None
+    _check_projection_inputs(
+        ("x", x), ("x", x), w_q, w_k, w_v, w_o, num_heads
+    )  # errors name x
+    return multi_head_cross_attention(
+        x, x, w_q, w_k, w_v, w_o, num_heads, mask
+    )
 
 
-def causal_mask(t_q: int, t_k: int | None = None) -> NDArray[np.bool_]:
-    """Boolean (T_q, T_k) mask, True on and below the diagonal: query i may attend to keys 0..i.
+def causal_mask(
+    t_q: int, t_k: int | None = None, *, align: str = "top-left"
+) -> NDArray[np.bool_]:
+    """Boolean (T_q, T_k) causal mask, True where a query may attend to a key.
 
-    Aligned at the top-left corner, as ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``.
+    ``align="top-left"``: query i may attend to keys 0..i, the convention of
+    ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``.
+    ``align="bottom-right"``: query i may attend to keys 0..i + (T_k - T_q), so
+    the last query sees every key: the T_q newest tokens of a sequence whose
+    first T_k - T_q tokens came before (decoding with a key/value cache). The
+    two agree when T_q = T_k.
     """
-    t_k = t_q if t_k is None else t_k
-    for name, value in (("t_q", t_q), ("t_k", t_k)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return np.tril(np.ones((t_q, t_k), dtype=bool))
+    t_q = check_int("t_q", t_q)
+    t_k = t_q if t_k is None else check_int("t_k", t_k)
+    check_choice("align", align, ("top-left", "bottom-right"))
+    offset = t_k - t_q if align == "bottom-right" else 0
+    return np.tril(np.ones((t_q, t_k), dtype=bool), k=offset)
 
 
 def padding_mask(lengths: ArrayLike, max_len: int) -> NDArray[np.bool_]:
     """Boolean (B, max_len) mask, True at the real tokens of each sequence and False at its padding.
 
-    For attention over keys, expand it to ``mask[:, None, None, :]``, shape (B, 1, 1, T_k):
-    the same keys are hidden from every head and every query.
+    For attention over keys, expand it to ``mask[:, None, None, :]``, shape (B,
+    1, 1, T_k): the same keys are hidden from every head and every query.
     """
-    lengths = np.asarray(lengths)
-    if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
-        raise ValueError(f"lengths must be a 1-D array of ints, got shape {lengths.shape} and dtype {lengths.dtype}")
-    if lengths.size and (lengths.min() < 0 or lengths.max() > max_len):
-        raise ValueError(f"lengths must lie in [0, max_len={max_len}], got {lengths.tolist()}")
+    lengths = _check_lengths(lengths, max_len)
     return np.arange(max_len)[None, :] < lengths[:, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks: each raises TypeError / ValueError naming the argument (see
+# mha._validate).
+
+
+def _as_float_array(name: str, value: ArrayLike) -> Array:
+    """``value`` as a floating-point array (integers become float64)."""
+    array = np.asarray(value)
+    if array.dtype == bool or not np.issubdtype(array.dtype, np.number):
+        raise TypeError(
+            f"{name} must be a numeric array, got dtype {array.dtype}"
+        )
+    if np.issubdtype(array.dtype, np.complexfloating):
+        raise TypeError(f"{name} must be real, got dtype {array.dtype}")
+    if not np.issubdtype(array.dtype, np.floating):
+        array = array.astype(np.float64)
+    return array
+
+
+def _check_array(
+    name: str, value: ArrayLike, *, min_ndim: int, shape_text: str
+) -> Array:
+    array = _as_float_array(name, value)
+    if array.ndim < min_ndim:
+        raise ValueError(
+            f"{name} must have shape {shape_text} (at least {min_ndim} dimensions), "
+            f"got shape {array.shape}"
+        )
+    return array
+
+
+def _check_inputs(name: str, value: ArrayLike) -> Array:
+    """Layer inputs: ``(T, d)`` or ``(B, T, d)``."""
+    x = _as_float_array(name, value)
+    if x.ndim not in (2, 3):
+        raise ValueError(
+            f"{name} must have shape (T, d) or (B, T, d) (2 or 3 dimensions), "
+            f"got shape {x.shape} ({x.ndim} dimensions)"
+        )
+    return x
+
+
+def _check_heads(what: str, d_model: int, num_heads: int) -> int:
+    """d_k = D / H, after checking H and that it divides D."""
+    check_int("num_heads", num_heads)
+    return check_divisible(f"{what}", d_model, "num_heads", num_heads)
+
+
+def _check_matrix(
+    name: str, w: Array, rows: int | None, cols: int | None, text: str
+) -> Array:
+    wrong_rows = rows is not None and w.shape[0] != rows
+    wrong_cols = cols is not None and w.shape[1] != cols
+    if w.ndim != 2 or wrong_rows or wrong_cols:
+        raise ValueError(f"{name} must have shape {text}, got shape {w.shape}")
+    return w
+
+
+def _check_scores(x: ArrayLike) -> Array:
+    x = _as_float_array("x", x)
+    if np.isnan(x).any():
+        raise ValueError("x must not contain NaN")
+    if np.isposinf(x).any():
+        raise ValueError(
+            "x must not contain +inf (use -inf to exclude an entry)"
+        )
+    return x
+
+
+def _check_attention_inputs(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None
+) -> tuple[Array, Array, Array, NDArray[np.bool_] | None]:
+    """q (..., T_q, d_k), k (..., T_k, d_k), v (..., T_k, d_v), a boolean mask that broadcasts."""
+    q = _check_array("q", q, min_ndim=2, shape_text="(..., T_q, d_k)")
+    k = _check_array("k", k, min_ndim=2, shape_text="(..., T_k, d_k)")
+    v = _check_array("v", v, min_ndim=2, shape_text="(..., T_k, d_v)")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must have the same last dimension d_k, got q {q.shape} and k {k.shape}"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"k and v must have the same number of positions T_k, got k {k.shape} and v {v.shape}"
+        )
+    try:
+        batch_shape = np.broadcast_shapes(
+            q.shape[:-2], k.shape[:-2], v.shape[:-2]
+        )
+    except ValueError:
+        raise ValueError(
+            f"the leading (batch/head) axes of q {q.shape}, k {k.shape} and v {v.shape} "
+            "do not broadcast"
+        ) from None
+    if mask is None:
+        return q, k, v, None
+    mask = np.asarray(mask)
+    if mask.dtype != bool:
+        raise TypeError(
+            f"mask must be a boolean array (True = may attend), got dtype {mask.dtype}"
+        )
+    scores_shape = batch_shape + (q.shape[-2], k.shape[-2])
+    try:
+        fits = np.broadcast_shapes(mask.shape, scores_shape) == scores_shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"mask must broadcast to the scores' shape {scores_shape} (..., T_q, T_k), "
+            f"got shape {mask.shape}"
+        )
+    return q, k, v, mask
+
+
+def _check_loop_inputs(
+    x: ArrayLike,
+    w_q_heads: Sequence[ArrayLike],
+    w_k_heads: Sequence[ArrayLike],
+    w_v_heads: Sequence[ArrayLike],
+    w_o: ArrayLike,
+    mask: ArrayLike | None,
+) -> tuple[
+    Array,
+    list[Array],
+    list[Array],
+    list[Array],
+    Array,
+    list[NDArray[np.bool_] | None],
+]:
+    """The inputs of :func:`multi_head_attention_loop`, with the mask cut into one per head."""
+    x = _check_inputs("x", x)
+    w_o = _as_float_array("w_o", w_o)
+    num_heads = len(w_q_heads)
+    if (
+        num_heads == 0
+        or len(w_k_heads) != num_heads
+        or len(w_v_heads) != num_heads
+    ):
+        raise ValueError(
+            "w_q_heads, w_k_heads and w_v_heads must be non-empty lists of the same length, "
+            f"got lengths {len(w_q_heads)}, {len(w_k_heads)} and {len(w_v_heads)}"
+        )
+    d_in = x.shape[-1]
+    w_q, w_k, w_v = [], [], []
+    for i in range(num_heads):
+        w_q_i = _check_matrix(
+            f"w_q_heads[{i}]",
+            _as_float_array(f"w_q_heads[{i}]", w_q_heads[i]),
+            d_in,
+            None,
+            f"({d_in}, d_k)",
+        )
+        d_k = w_q_i.shape[1]
+        w_q.append(w_q_i)
+        w_k.append(
+            _check_matrix(
+                f"w_k_heads[{i}]",
+                _as_float_array(f"w_k_heads[{i}]", w_k_heads[i]),
+                d_in,
+                d_k,
+                f"({d_in}, {d_k})",
+            )
+        )
+        w_v.append(
+            _check_matrix(
+                f"w_v_heads[{i}]",
+                _as_float_array(f"w_v_heads[{i}]", w_v_heads[i]),
+                d_in,
+                None,
+                f"({d_in}, d_v)",
+            )
+        )
+    d_concat = sum(w.shape[1] for w in w_v)  # H * d_v
+    _check_matrix("w_o", w_o, d_concat, None, f"({d_concat}, D_out)")
+    if mask is None:
+        return x, w_q, w_k, w_v, w_o, [None] * num_heads
+    mask = np.asarray(mask)
+    if mask.ndim < 3:  # no head axis: every head gets the same mask
+        return x, w_q, w_k, w_v, w_o, [mask] * num_heads
+    if mask.shape[-3] not in (1, num_heads):
+        raise ValueError(
+            f"mask's head axis (axis -3) must have size 1 or num_heads={num_heads}, "
+            f"got shape {mask.shape}"
+        )
+    head_masks = [
+        np.take(mask, i if mask.shape[-3] > 1 else 0, axis=-3)
+        for i in range(num_heads)
+    ]
+    return x, w_q, w_k, w_v, w_o, head_masks
+
+
+def _check_projection_inputs(
+    named_q: tuple[str, ArrayLike],
+    named_kv: tuple[str, ArrayLike],
+    w_q: ArrayLike,
+    w_k: ArrayLike,
+    w_v: ArrayLike,
+    w_o: ArrayLike,
+    num_heads: int,
+) -> tuple[Array, Array, Array, Array, Array, Array]:
+    """The inputs of the fused forms; ``named_q``/``named_kv`` give the names errors use."""
+    (q_name, x_q), (kv_name, x_kv) = named_q, named_kv
+    x_q, x_kv = _check_inputs(q_name, x_q), _check_inputs(kv_name, x_kv)
+    if x_q.ndim != x_kv.ndim or (
+        x_q.ndim == 3 and x_q.shape[0] != x_kv.shape[0]
+    ):
+        raise ValueError(
+            f"{q_name} and {kv_name} must both be batched with the same batch size or both "
+            f"unbatched, got shapes {x_q.shape} and {x_kv.shape}"
+        )
+    w_q, w_k, w_v, w_o = (
+        _as_float_array(name, w)
+        for name, w in (("w_q", w_q), ("w_k", w_k), ("w_v", w_v), ("w_o", w_o))
+    )
+    _check_matrix(
+        "w_q", w_q, x_q.shape[-1], None, f"({x_q.shape[-1]}, d_model)"
+    )
+    d_model = w_q.shape[1]
+    _check_heads("d_model (the second dimension of w_q)", d_model, num_heads)
+    d_kv = x_kv.shape[-1]
+    _check_matrix("w_k", w_k, d_kv, d_model, f"({d_kv}, {d_model})")
+    _check_matrix("w_v", w_v, d_kv, d_model, f"({d_kv}, {d_model})")
+    _check_matrix("w_o", w_o, d_model, None, f"({d_model}, D_out)")
+    return x_q, x_kv, w_q, w_k, w_v, w_o
+
+
+def _check_lengths(lengths: ArrayLike, max_len: int) -> NDArray[np.integer]:
+    max_len = check_int("max_len", max_len, minimum=0)
+    lengths = np.asarray(lengths)
+    if not np.issubdtype(lengths.dtype, np.integer):
+        raise TypeError(
+            f"lengths must be an array of ints, got dtype {lengths.dtype}"
+        )
+    if lengths.ndim != 1:
+        raise ValueError(
+            f"lengths must be a 1-D array of ints, got shape {lengths.shape}"
+        )
+    if lengths.size and (lengths.min() < 0 or lengths.max() > max_len):
+        raise ValueError(
+            f"lengths must lie in [0, max_len={max_len}], got {lengths.tolist()}"
+        )
+    return lengths

@@ -1,14 +1,16 @@
 """A tiny two-layer attention model and the synthetic induction task it learns.
 
-The task (chapter 10): a sequence of distinct random tokens in which one segment appears a
-second time, later, at a random place. Inside the second copy the next token is predictable,
-but only by *induction*: find the earlier occurrence of the current token and read the token
-that followed it. That takes two steps, so it takes two layers: a head in layer 0 that copies
-each position's previous token into it, and a head in layer 1 that matches on that copied
-information. Because the copy's place is random, no purely positional rule solves it.
+The task (chapter 10): a sequence of distinct random tokens in which one
+segment appears a second time, later, at a random place. Inside the second copy
+the next token is predictable, but only by *induction*: find the earlier
+occurrence of the current token and read the token that followed it. That takes
+two steps, so it takes two layers: a head in layer 0 that copies each
+position's previous token into it, and a head in layer 1 that matches on that
+copied information. Because the copy's place is random, no purely positional
+rule solves it.
 
-Shapes: ``N`` or ``B`` sequences, ``T`` positions, ``V`` vocabulary size, ``D`` = d_model,
-``L`` attention layers, ``H`` heads per layer.
+Shapes: ``N`` or ``B`` sequences, ``T`` positions, ``V`` vocabulary size, ``D``
+= d_model, ``L`` attention layers, ``H`` heads per layer.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mha.module import MultiHeadAttention
+from ._validate import check_divisible, check_int
+from .module import MultiHeadAttention
 
 __all__ = [
     "InductionData",
@@ -42,13 +45,16 @@ class InductionData:
 
     Attributes:
         tokens: (N, T) int64 token ids.
-        targets: (N, T) int64, ``targets[:, t] = tokens[:, t + 1]`` (the last position repeats its own
+        targets: (N, T) int64, ``targets[:, t] = tokens[:, t + 1]`` (the last
+        position repeats its own
             token; it is never predictable).
-        predictable: (N, T) bool, True where the next token can be inferred: positions
+        predictable: (N, T) bool, True where the next token can be inferred:
+        positions
             ``copy_start .. copy_start + segment_len - 2``.
         source_start: (N,) int64, where the segment first occurs.
-        copy_start: (N,) int64, where its second copy begins (``copy_start >= source_start + segment_len``).
-        segment_len: length of the repeated segment.
+        copy_start: (N,) int64, where its second copy begins (``copy_start >=
+        source_start + segment_len``). segment_len: length of the repeated
+        segment.
     """
 
     tokens: Tensor
@@ -64,8 +70,12 @@ class InductionData:
     def __getitem__(self, index: slice | Tensor) -> InductionData:
         """The sequences selected by ``index`` (a slice or an index tensor), as a new batch."""
         return InductionData(
-            self.tokens[index], self.targets[index], self.predictable[index],
-            self.source_start[index], self.copy_start[index], self.segment_len,
+            self.tokens[index],
+            self.targets[index],
+            self.predictable[index],
+            self.source_start[index],
+            self.copy_start[index],
+            self.segment_len,
         )
 
 
@@ -79,13 +89,16 @@ def make_induction_data(
 ) -> InductionData:
     """Draw ``num_sequences`` sequences of the induction task.
 
-    Each sequence starts as ``seq_len - segment_len`` distinct tokens (a random draw without
-    replacement from ``range(vocab_size)``). A segment ``base[a : a + segment_len]`` is then
-    inserted again at position ``b >= a + segment_len``, with ``a`` and ``b`` uniform over their
-    allowed ranges. So every token occurs once, except the segment's, which occur twice.
+    Each sequence starts as ``seq_len - segment_len`` distinct tokens (a random
+    draw without replacement from ``range(vocab_size)``). A segment ``base[a :
+    a + segment_len]`` is then inserted again at position ``b >= a +
+    segment_len``, with ``a`` and ``b`` uniform over their allowed ranges. So
+    every token occurs once, except the segment's, which occur twice.
     """
-    if segment_len < 2:
-        raise ValueError(f"segment_len must be >= 2, got {segment_len}")
+    check_int("num_sequences", num_sequences)
+    check_int("segment_len", segment_len, minimum=2)
+    check_int("seq_len", seq_len)
+    check_int("vocab_size", vocab_size)
     base_len = seq_len - segment_len
     if base_len < segment_len:
         raise ValueError(
@@ -96,32 +109,47 @@ def make_induction_data(
             f"vocab_size must be >= seq_len - segment_len = {base_len} (tokens are distinct), got {vocab_size}"
         )
     n = num_sequences
-    # Distinct tokens per row: the first base_len entries of a random permutation.
-    base = torch.rand(n, vocab_size, generator=generator).argsort(dim=1)[:, :base_len]  # (N, base_len)
-    # Source start a in [0, base_len - segment_len]; insertion point b in [a + segment_len, base_len].
-    a = (torch.rand(n, generator=generator) * (base_len - segment_len + 1)).long()  # (N,)
+    # Distinct tokens per row: the first base_len entries of a random
+    # permutation.
+    base = torch.rand(n, vocab_size, generator=generator).argsort(dim=1)[
+        :, :base_len
+    ]  # (N, base_len)
+    # Source start a in [0, base_len - segment_len]; insertion point b in [a +
+    # segment_len, base_len].
+    a = (
+        torch.rand(n, generator=generator) * (base_len - segment_len + 1)
+    ).long()  # (N,)
     span = base_len - (a + segment_len) + 1  # number of allowed b values, >= 1
-    b = a + segment_len + (torch.rand(n, generator=generator) * span).long()  # (N,)
+    b = (
+        a + segment_len + (torch.rand(n, generator=generator) * span).long()
+    )  # (N,)
 
     pos = torch.arange(seq_len)  # (T,)
     in_copy = (pos >= b[:, None]) & (pos < b[:, None] + segment_len)  # (N, T)
     # Where each output position reads from in `base`.
-    from_base = torch.where(pos < b[:, None], pos, pos - segment_len)  # (N, T) before / after the copy
+    from_base = torch.where(
+        pos < b[:, None], pos, pos - segment_len
+    )  # (N, T) before / after the copy
     from_seg = a[:, None] + (pos - b[:, None])  # (N, T) inside the copy
-    index = torch.where(in_copy, from_seg, from_base)  # (N, T), values in [0, base_len)
+    index = torch.where(
+        in_copy, from_seg, from_base
+    )  # (N, T), values in [0, base_len)
     tokens = base.gather(1, index)  # (N, T)
 
     targets = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # (N, T)
-    predictable = (pos >= b[:, None]) & (pos < b[:, None] + segment_len - 1)  # (N, T)
+    predictable = (pos >= b[:, None]) & (
+        pos < b[:, None] + segment_len - 1
+    )  # (N, T)
     return InductionData(tokens, targets, predictable, a, b, segment_len)
 
 
 class TinyTransformer(nn.Module):
     """Token + learned position embeddings, ``num_layers`` attention layers, one MLP, an output head.
 
-    Each attention layer is pre-LayerNorm and residual: ``x = x + attn(ln(x))``, with
-    :class:`mha.MultiHeadAttention` (no biases, so a layer whose heads are all switched off adds
-    exactly zero). Then ``x = x + mlp(ln(x))`` once, and ``logits = head(ln(x))``. Attention is causal.
+    Each attention layer is pre-LayerNorm and residual: ``x = x +
+    attn(ln(x))``, with :class:`mha.MultiHeadAttention` (no biases, so a layer
+    whose heads are all switched off adds exactly zero). Then ``x = x +
+    mlp(ln(x))`` once, and ``logits = head(ln(x))``. Attention is causal.
     """
 
     def __init__(
@@ -134,58 +162,105 @@ class TinyTransformer(nn.Module):
         d_mlp: int = 64,
     ) -> None:
         super().__init__()
-        if d_model % num_heads != 0:
-            raise ValueError(f"d_model must be divisible by num_heads={num_heads}, got d_model={d_model}")
+        for name, value in (
+            ("vocab_size", vocab_size),
+            ("max_len", max_len),
+            ("d_model", d_model),
+            ("num_heads", num_heads),
+            ("num_layers", num_layers),
+            ("d_mlp", d_mlp),
+        ):
+            check_int(name, value)
+        check_divisible("d_model", d_model, "num_heads", num_heads)
         self.vocab_size, self.max_len = vocab_size, max_len
-        self.d_model, self.num_heads, self.num_layers = d_model, num_heads, num_layers
+        self.d_model, self.num_heads, self.num_layers = (
+            d_model,
+            num_heads,
+            num_layers,
+        )
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(max_len, d_model)
-        self.attn_norms = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(num_layers))
+        self.attn_norms = nn.ModuleList(
+            nn.LayerNorm(d_model) for _ in range(num_layers)
+        )
         self.attns = nn.ModuleList(
-            MultiHeadAttention(d_model, num_heads, bias=False, batch_first=True) for _ in range(num_layers)
+            MultiHeadAttention(
+                d_model, num_heads, bias=False, batch_first=True
+            )
+            for _ in range(num_layers)
         )
         self.mlp_norm = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, d_mlp), nn.GELU(), nn.Linear(d_mlp, d_model))
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, d_mlp), nn.GELU(), nn.Linear(d_mlp, d_model)
+        )
         self.out_norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
 
-    def _check_head_mask(self, head_mask: Tensor | None, batch: int) -> Tensor | None:
+    def _check_head_mask(
+        self, head_mask: Tensor | None, batch: int
+    ) -> Tensor | None:
         if head_mask is None:
             return None
-        shapes = [(self.num_layers, self.num_heads), (batch, self.num_layers, self.num_heads)]
+        shapes = [
+            (self.num_layers, self.num_heads),
+            (batch, self.num_layers, self.num_heads),
+        ]
         if tuple(head_mask.shape) not in shapes:
-            raise ValueError(f"head_mask must have shape (L, H) or (B, L, H) = {shapes}, got {tuple(head_mask.shape)}")
+            raise ValueError(
+                f"head_mask must have shape (L, H) or (B, L, H) = {shapes}, got {tuple(head_mask.shape)}"
+            )
         return head_mask
 
     def forward(
-        self, tokens: Tensor, head_mask: Tensor | None = None, return_weights: bool = False
+        self,
+        tokens: Tensor,
+        head_mask: Tensor | None = None,
+        return_weights: bool = False,
     ) -> tuple[Tensor, list[Tensor] | None]:
         """Next-token logits.
 
         Args:
             tokens: (B, T) int64 with T <= max_len.
-            head_mask: optional (L, H) or (B, L, H); entry (l, h) multiplies head h of layer l
-                (1 = keep, 0 = switch off), passed on to that layer's ``head_mask``.
-            return_weights: also return each layer's per-head attention weights.
+            head_mask: optional (L, H) or (B, L, H); entry (l, h) multiplies
+            head h of layer l
+                (1 = keep, 0 = switch off), passed on to that layer's
+                ``head_mask``.
+            return_weights: also return each layer's per-head attention
+            weights.
 
         Returns:
-            logits (B, T, V) and, if ``return_weights``, a list of L tensors (B, H, T, T), else None.
+            logits (B, T, V) and, if ``return_weights``, a list of L tensors
+            (B, H, T, T), else None.
         """
         if tokens.dim() != 2:
-            raise ValueError(f"tokens must have shape (B, T), got {tuple(tokens.shape)}")
+            raise ValueError(
+                f"tokens must have shape (B, T), got {tuple(tokens.shape)}"
+            )
         batch, seq_len = tokens.shape
         if seq_len > self.max_len:
-            raise ValueError(f"tokens has T={seq_len} positions, more than max_len={self.max_len}")
+            raise ValueError(
+                f"tokens has T={seq_len} positions, more than max_len={self.max_len}"
+            )
         head_mask = self._check_head_mask(head_mask, batch)
-        x = self.tok_emb(tokens) + self.pos_emb(torch.arange(seq_len, device=tokens.device))  # (B, T, D)
+        x = self.tok_emb(tokens) + self.pos_emb(
+            torch.arange(seq_len, device=tokens.device)
+        )  # (B, T, D)
         all_weights: list[Tensor] = []
         for layer, (norm, attn) in enumerate(zip(self.attn_norms, self.attns)):
-            layer_mask = None if head_mask is None else head_mask[..., layer, :]  # (H,) or (B, H)
+            layer_mask = (
+                None if head_mask is None else head_mask[..., layer, :]
+            )  # (H,) or (B, H)
             h = norm(x)
-            # is_causal=True: query t sees keys 0..t (the module builds the mask, or SDPA applies it).
+            # is_causal=True: query t sees keys 0..t (the module builds the
+            # mask, or SDPA applies it).
             out, weights = attn(
-                h, h, h, need_weights=return_weights, is_causal=True,
-                average_attn_weights=False, head_mask=layer_mask,
+                h,
+                h,
+                h,
+                need_weights=return_weights,
+                is_causal=True,
+                average_attn_weights=False,
+                head_mask=layer_mask,
             )  # out (B, T, D), weights (B, H, T, T) or None
             x = x + out
             if return_weights:
@@ -195,9 +270,13 @@ class TinyTransformer(nn.Module):
         return logits, (all_weights if return_weights else None)
 
 
-def masked_loss_and_accuracy(logits: Tensor, data: InductionData) -> tuple[Tensor, Tensor]:
+def masked_loss_and_accuracy(
+    logits: Tensor, data: InductionData
+) -> tuple[Tensor, Tensor]:
     """Mean cross-entropy and accuracy of (N, T, V) logits on the predictable positions only."""
-    picked = logits[data.predictable]  # (P, V), P = number of predictable positions
+    picked = logits[
+        data.predictable
+    ]  # (P, V), P = number of predictable positions
     target = data.targets[data.predictable]  # (P,)
     loss = F.cross_entropy(picked, target)
     accuracy = (picked.argmax(dim=-1) == target).float().mean()
@@ -205,7 +284,11 @@ def masked_loss_and_accuracy(logits: Tensor, data: InductionData) -> tuple[Tenso
 
 
 @torch.no_grad()
-def evaluate(model: TinyTransformer, data: InductionData, head_mask: Tensor | None = None) -> tuple[float, float]:
+def evaluate(
+    model: TinyTransformer,
+    data: InductionData,
+    head_mask: Tensor | None = None,
+) -> tuple[float, float]:
     """(loss, accuracy) of ``model`` on ``data`` with an optional (L, H) head mask."""
     model.eval()
     logits, _ = model(data.tokens, head_mask=head_mask)
@@ -213,7 +296,9 @@ def evaluate(model: TinyTransformer, data: InductionData, head_mask: Tensor | No
     return loss.item(), accuracy.item()
 
 
-def head_mask_without(model: TinyTransformer, removed: Iterable[tuple[int, int]]) -> Tensor:
+def head_mask_without(
+    model: TinyTransformer, removed: Iterable[tuple[int, int]]
+) -> Tensor:
     """(L, H) head mask of ones with a zero at each ``(layer, head)`` in ``removed``."""
     mask = torch.ones(model.num_layers, model.num_heads)  # (L, H)
     for layer, head in removed:
@@ -239,8 +324,8 @@ def train(
 ) -> list[float]:
     """Train with AdamW on fresh batches drawn from a generator seeded with ``seed``.
 
-    Returns the training loss of every step. Same model initialisation + same seed + same
-    thread count give the same numbers on the same machine.
+    Returns the training loss of every step. Same model initialisation + same
+    seed + same thread count give the same numbers on the same machine.
     """
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
@@ -258,7 +343,11 @@ def train(
     model.train()
     for step in range(steps):
         data = make_induction_data(
-            batch_size, seq_len=seq_len, vocab_size=model.vocab_size, segment_len=segment_len, generator=generator
+            batch_size,
+            seq_len=seq_len,
+            vocab_size=model.vocab_size,
+            segment_len=segment_len,
+            generator=generator,
         )
         logits, _ = model(data.tokens)
         loss, _ = masked_loss_and_accuracy(logits, data)
@@ -274,67 +363,115 @@ def train(
 
 
 @torch.no_grad()
-def head_scores(weights: list[Tensor] | Tensor, data: InductionData) -> dict[str, Tensor]:
+def head_scores(
+    weights: list[Tensor] | Tensor, data: InductionData
+) -> dict[str, Tensor]:
     """Measure what each head attends to. ``weights``: L tensors (N, H, T, T), or one (L, N, H, T, T).
 
-    Returns a dict of (L, H) tensors, each the head's average attention weight on:
+    Returns a dict of (L, H) tensors, each the head's average attention weight
+    on:
 
     * ``"previous"``: key ``t - 1``, averaged over queries ``t >= 1``;
-    * ``"previous_source"``: key ``t - 1``, over the queries of the first copy after its first token
-      (``a + 1 .. a + S - 1``): the keys an induction head must find (the answers' positions);
-    * ``"self"``: key ``t``, over queries ``t >= 1`` (query 0 can only see itself);
+    * ``"previous_source"``: key ``t - 1``, over the queries of the first copy
+      after its first token (``a + 1 .. a + S - 1``): the keys an induction
+      head must find (the answers' positions);
+    * ``"self"``: key ``t``, over queries ``t >= 1`` (query 0 can only see
+      itself);
     * ``"first"``: key 0, over queries ``t >= 1``;
-    * ``"match"``: the earlier occurrence of the query's own token, over queries in the copy;
-    * ``"induction"``: the token *after* that earlier occurrence, over the predictable queries
-      (the answer to copy).
+    * ``"match"``: the earlier occurrence of the query's own token, over
+      queries in the copy;
+    * ``"induction"``: the token *after* that earlier occurrence, over the
+      predictable queries (the answer to copy).
     """
-    w = torch.stack(list(weights)) if isinstance(weights, (list, tuple)) else weights  # (L, N, H, T, T)
+    w = (
+        torch.stack(list(weights))
+        if isinstance(weights, (list, tuple))
+        else weights
+    )  # (L, N, H, T, T)
     seq_len = w.shape[-1]
     t = torch.arange(seq_len)
-    on_previous = w[..., t[1:], t[1:] - 1]  # (L, N, H, T - 1), queries 1 .. T - 1
+    on_previous = w[
+        ..., t[1:], t[1:] - 1
+    ]  # (L, N, H, T - 1), queries 1 .. T - 1
     previous = on_previous.mean(dim=(1, 3))  # (L, H)
     self_ = w[..., t[1:], t[1:]].mean(dim=(1, 3))  # (L, H)
     first = w[..., t[1:], 0].mean(dim=(1, 3))  # (L, H)
 
     # Inside the copy, query t = b + i holds the token of position a + i.
-    in_copy = (t >= data.copy_start[:, None]) & (t < data.copy_start[:, None] + data.segment_len)  # (N, T)
-    in_source = (t > data.source_start[:, None]) & (t < data.source_start[:, None] + data.segment_len)  # (N, T)
-    earlier = (data.source_start[:, None] + t - data.copy_start[:, None]).clamp(0, seq_len - 1)  # (N, T)
+    in_copy = (t >= data.copy_start[:, None]) & (
+        t < data.copy_start[:, None] + data.segment_len
+    )  # (N, T)
+    in_source = (t > data.source_start[:, None]) & (
+        t < data.source_start[:, None] + data.segment_len
+    )  # (N, T)
+    earlier = (
+        data.source_start[:, None] + t - data.copy_start[:, None]
+    ).clamp(0, seq_len - 1)  # (N, T)
     after = (earlier + 1).clamp(max=seq_len - 1)  # (N, T)
     # Gather w[l, n, h, t, earlier[n, t]] for every (l, n, h, t).
-    idx_match = earlier[None, :, None, :, None].expand(*w.shape[:-1], 1)  # (L, N, H, T, 1)
-    idx_after = after[None, :, None, :, None].expand(*w.shape[:-1], 1)  # (L, N, H, T, 1)
+    idx_match = earlier[None, :, None, :, None].expand(
+        *w.shape[:-1], 1
+    )  # (L, N, H, T, 1)
+    idx_after = after[None, :, None, :, None].expand(
+        *w.shape[:-1], 1
+    )  # (L, N, H, T, 1)
     on_match = w.gather(-1, idx_match)[..., 0]  # (L, N, H, T)
     on_after = w.gather(-1, idx_after)[..., 0]  # (L, N, H, T)
     sel_copy = in_copy[None, :, None, :].float()  # (1, N, 1, T)
     sel_pred = data.predictable[None, :, None, :].float()  # (1, N, 1, T)
-    sel_source = in_source[None, :, None, 1:].float()  # (1, N, 1, T - 1), queries 1 .. T - 1 (a + 1 >= 1)
-    previous_source = (on_previous * sel_source).sum(dim=(1, 3)) / sel_source.sum()  # (L, H)
+    sel_source = in_source[
+        None, :, None, 1:
+    ].float()  # (1, N, 1, T - 1), queries 1 .. T - 1 (a + 1 >= 1)
+    previous_source = (on_previous * sel_source).sum(
+        dim=(1, 3)
+    ) / sel_source.sum()  # (L, H)
     match = (on_match * sel_copy).sum(dim=(1, 3)) / sel_copy.sum()  # (L, H)
-    induction = (on_after * sel_pred).sum(dim=(1, 3)) / sel_pred.sum()  # (L, H)
+    induction = (on_after * sel_pred).sum(
+        dim=(1, 3)
+    ) / sel_pred.sum()  # (L, H)
     return {
-        "previous": previous, "previous_source": previous_source, "self": self_,
-        "first": first, "match": match, "induction": induction,
+        "previous": previous,
+        "previous_source": previous_source,
+        "self": self_,
+        "first": first,
+        "match": match,
+        "induction": induction,
     }
 
 
-def head_importance(model: TinyTransformer, data: InductionData, head_mask: Tensor | None = None) -> Tensor:
+def head_importance(
+    model: TinyTransformer,
+    data: InductionData,
+    head_mask: Tensor | None = None,
+) -> Tensor:
     """Gradient-based head importance of Michel et al. (2019): ``I_h = mean_x |dL(x)/d xi_h|``.
 
-    ``xi`` is a (B, L, H) head mask, all ones or a copy of the (L, H) ``head_mask`` for every example
-    (to score the heads that are left after some were removed); one backward pass of the summed
-    per-example losses gives every example's own derivative (example b's loss depends only on ``xi[b]``).
-    Returns (L, H).
+    ``xi`` is a (B, L, H) head mask, all ones or a copy of the (L, H)
+    ``head_mask`` for every example (to score the heads that are left after
+    some were removed); one backward pass of the summed per-example losses
+    gives every example's own derivative (example b's loss depends only on
+    ``xi[b]``). Returns (L, H).
     """
     model.eval()
     dtype = model.head.weight.dtype
-    base = torch.ones(model.num_layers, model.num_heads, dtype=dtype) if head_mask is None else head_mask.to(dtype)
-    xi = base.expand(len(data), -1, -1).clone().requires_grad_(True)  # (B, L, H)
+    base = (
+        torch.ones(model.num_layers, model.num_heads, dtype=dtype)
+        if head_mask is None
+        else head_mask.to(dtype)
+    )
+    xi = (
+        base.expand(len(data), -1, -1).clone().requires_grad_(True)
+    )  # (B, L, H)
     logits, _ = model(data.tokens, head_mask=xi)
     picked = logits[data.predictable]  # (P, V)
-    loss_per_position = F.cross_entropy(picked, data.targets[data.predictable], reduction="none")  # (P,)
-    # Average over each example's predictable positions, then sum over examples.
-    rows = data.predictable.nonzero()[:, 0]  # (P,) which example each position belongs to
+    loss_per_position = F.cross_entropy(
+        picked, data.targets[data.predictable], reduction="none"
+    )  # (P,)
+    # Average over each example's predictable positions, then sum over
+    # examples.
+    rows = data.predictable.nonzero()[
+        :, 0
+    ]  # (P,) which example each position belongs to
     counts = data.predictable.sum(dim=1).clamp(min=1).float()  # (B,)
     loss = (loss_per_position / counts[rows]).sum()
     (grad,) = torch.autograd.grad(loss, xi)  # (B, L, H)

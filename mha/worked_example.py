@@ -1,19 +1,22 @@
 """The worked example of chapter 04: two heads, three tokens, d_model = 4, d_k = d_v = 2.
 
-Every matrix of the example lives here, once, so the chapter, the tests and the reader
-all use the same numbers. The arrays are read-only; copy one (``W_O.copy()``) to change it.
+Every matrix of the example lives here, once, so the chapter, the tests and the
+reader all use the same numbers. The arrays are read-only; copy one
+(``W_O.copy()``) to change it.
 
-Conventions (row vectors, as in :mod:`mha.reference`): token ``t`` is row ``X[t]``,
-``Q_i = X @ W_Q_HEADS[i]``, ``scores_i = Q_i @ K_i.T``, ``weights_i = softmax(scores_i / sqrt(d_k))``
-row by row, ``head_i = weights_i @ V_i``, ``concat = [head_1 | head_2]``, ``output = concat @ W_O``.
-Python counts heads from 0: ``W_Q_HEADS[0]`` is the book's W_Q1.
+Conventions (row vectors, as in :mod:`mha.reference`): token ``t`` is row
+``X[t]``, ``Q_i = X @ W_Q_HEADS[i]``, ``scores_i = Q_i @ K_i.T``, ``weights_i =
+softmax(scores_i / sqrt(d_k))`` row by row, ``head_i = weights_i @ V_i``,
+``concat = [head_1 | head_2]``, ``output = concat @ W_O``. Python counts heads
+from 0: ``W_Q_HEADS[0]`` is the book's W_Q1.
 
 What each matrix picks out of a token ``x = (x0, x1, x2, x3)``:
 
-* head 1: query ``(x0, x1)``, key ``(x1, x0)`` (the same two features, swapped), value ``(x0 + x2, 0)``;
+* head 1: query ``(x0, x1)``, key ``(x1, x0)`` (the same two features,
+  swapped), value ``(x0 + x2, 0)``;
 * head 2: query ``(x2, x3)``, key ``(x3, x2)``, value ``(0, x0 + x1)``;
-* ``W_O`` sends head 1's value feature to output feature 0, head 2's to output feature 1,
-  and writes their sum and difference into output features 2 and 3.
+* ``W_O`` sends head 1's value feature to output feature 0, head 2's to output
+  feature 1, and writes their sum and difference into output features 2 and 3.
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from mha.reference import multi_head_attention, multi_head_attention_loop, scaled_dot_product_attention
+from mha.reference import (
+    multi_head_attention,
+    multi_head_attention_loop,
+    scaled_dot_product_attention,
+)
 
 __all__ = [
     "SEQ_LEN",
@@ -58,11 +65,13 @@ NUM_HEADS = 2  # H
 D_K = D_MODEL // NUM_HEADS  # 2, also d_v
 
 # The input: three tokens, one per row. (T, D) = (3, 4)
-X = _frozen([
-    [1, 0, 1, 0],
-    [0, 1, 0, 1],
-    [1, 1, 0, 0],
-])
+X = _frozen(
+    [
+        [1, 0, 1, 0],
+        [0, 1, 0, 1],
+        [1, 1, 0, 0],
+    ]
+)
 
 # Per-head projections, each (D, d_k) = (4, 2).
 W_Q_HEADS = (
@@ -78,18 +87,36 @@ W_V_HEADS = (
     _frozen([[0, 1], [0, 1], [0, 0], [0, 0]]),  # head 2: v = (0, x0 + x1)
 )
 
-# Output projection, (H * d_v, D) = (4, 4). Row i says where concat feature i goes.
-# Concat features 1 and 2 are zero for every input (W_V1's second column and W_V2's
+# Output projection, (H * d_v, D) = (4, 4). Row i says where concat feature i
+# goes.
+# Concat features 1 and 2 are zero for every input (W_V1's second column and
+# W_V2's
 # first column are zero), so their rows are zero too.
-W_O = _frozen([
-    [1, 0, 1, 1],   # head 1, value feature 0 -> output 0, and + into outputs 2 and 3
-    [0, 0, 0, 0],   # head 1, value feature 1 (always 0)
-    [0, 0, 0, 0],   # head 2, value feature 0 (always 0)
-    [0, 1, 1, -1],  # head 2, value feature 1 -> output 1, + into output 2, - into output 3
-])
+W_O = _frozen(
+    [
+        [
+            1,
+            0,
+            1,
+            1,
+        ],  # head 1, value feature 0 -> output 0, and + into outputs 2 and 3
+        [0, 0, 0, 0],  # head 1, value feature 1 (always 0)
+        [0, 0, 0, 0],  # head 2, value feature 0 (always 0)
+        [
+            0,
+            1,
+            1,
+            -1,
+            # head 2, value feature 1 -> output 1, + into output 2, - into output 3
+        ],
+    ]
+)
 
-# The fused form: head i owns columns i*d_k:(i+1)*d_k. Each (D, H * d_k) = (4, 4).
-W_Q = _frozen(np.concatenate(W_Q_HEADS, axis=1))  # the identity: Q = X, cut into two halves
+# The fused form: head i owns columns i*d_k:(i+1)*d_k. Each (D, H * d_k) = (4,
+# 4).
+W_Q = _frozen(
+    np.concatenate(W_Q_HEADS, axis=1)
+)  # the identity: Q = X, cut into two halves
 W_K = _frozen(np.concatenate(W_K_HEADS, axis=1))
 W_V = _frozen(np.concatenate(W_V_HEADS, axis=1))
 
@@ -101,10 +128,11 @@ class HeadSteps:
     Attributes:
         q, k: ``(T, d_k)`` queries and keys, ``X @ W_Q_i`` and ``X @ W_K_i``.
         v: ``(T, d_v)`` values, ``X @ W_V_i``.
-        scores: ``(T, T)`` raw dot products ``q @ k.T``; row t = query t, column s = key s.
-        scaled_scores: ``(T, T)`` ``scores * scale`` (scale = 1 / sqrt(d_k) unless chosen).
-        weights: ``(T, T)`` row-wise softmax of ``scaled_scores``; each row sums to 1.
-        output: ``(T, d_v)`` ``weights @ v``.
+        scores: ``(T, T)`` raw dot products ``q @ k.T``; row t = query t,
+        column s = key s. scaled_scores: ``(T, T)`` ``scores * scale`` (scale =
+        1 / sqrt(d_k) unless chosen). weights: ``(T, T)`` row-wise softmax of
+        ``scaled_scores``; each row sums to 1. output: ``(T, d_v)`` ``weights @
+        v``.
     """
 
     q: NDArray[np.float64]
@@ -125,10 +153,12 @@ class WorkedExample:
         concat: ``(T, H * d_v)`` ``[head_1 | head_2]``.
         output: ``(T, D_out)`` ``concat @ w_o``.
         loop_output, loop_weights: ``(T, D_out)`` and ``(H, T, T)`` from
-            :func:`mha.reference.multi_head_attention_loop` with the per-head matrices.
+            :func:`mha.reference.multi_head_attention_loop` with the per-head
+            matrices.
         fused_output, fused_weights: ``(T, D_out)`` and ``(H, T, T)`` from
-            :func:`mha.reference.multi_head_attention` with the fused ``[W_Q1 | W_Q2]`` etc.
-            (``None`` when a non-default scale is chosen: the fused form always uses 1 / sqrt(d_k)).
+            :func:`mha.reference.multi_head_attention` with the fused ``[W_Q1 |
+            W_Q2]`` etc. (``None`` when a non-default scale is chosen: the
+            fused form always uses 1 / sqrt(d_k)).
     """
 
     heads: tuple[HeadSteps, ...]
@@ -156,24 +186,29 @@ def compute(
 ) -> WorkedExample:
     """Run the example step by step and keep every intermediate.
 
-    Defaults are the book's matrices; pass others to ask "what if" (an identity ``w_o``,
-    a different ``x``, ``scale=1.0`` for no scaling).
+    Defaults are the book's matrices; pass others to ask "what if" (an identity
+    ``w_o``, a different ``x``, ``scale=1.0`` for no scaling).
 
     Args:
         x: ``(T, D)`` tokens as rows.
-        w_q_heads, w_k_heads: per head ``(D, d_k)``; w_v_heads: per head ``(D, d_v)``.
-        w_o: ``(H * d_v, D_out)``.
-        scale: factor on the dot products; default ``1 / sqrt(d_k)``.
+        w_q_heads, w_k_heads: per head ``(D, d_k)``; w_v_heads: per head ``(D,
+        d_v)``. w_o: ``(H * d_v, D_out)``. scale: factor on the dot products;
+        default ``1 / sqrt(d_k)``.
 
     Returns:
-        A :class:`WorkedExample`. Loop and fused results are ``None`` when ``scale`` is given
-        (the reference functions always scale by ``1 / sqrt(d_k)``).
+        A :class:`WorkedExample`. Loop and fused results are ``None`` when
+        ``scale`` is given (the reference functions always scale by ``1 /
+        sqrt(d_k)``).
     """
     x = np.asarray(x, dtype=np.float64)
     if x.ndim != 2:
         raise ValueError(f"x must have shape (T, D), got shape {x.shape}")
     num_heads = len(w_q_heads)
-    if num_heads == 0 or len(w_k_heads) != num_heads or len(w_v_heads) != num_heads:
+    if (
+        num_heads == 0
+        or len(w_k_heads) != num_heads
+        or len(w_v_heads) != num_heads
+    ):
         raise ValueError(
             "w_q_heads, w_k_heads and w_v_heads must be non-empty and of the same length, got lengths "
             f"{len(w_q_heads)}, {len(w_k_heads)} and {len(w_v_heads)}"
@@ -183,18 +218,35 @@ def compute(
         q = x @ np.asarray(w_q_i, dtype=np.float64)  # (T, d_k)
         k = x @ np.asarray(w_k_i, dtype=np.float64)  # (T, d_k)
         v = x @ np.asarray(w_v_i, dtype=np.float64)  # (T, d_v)
-        output, weights = scaled_dot_product_attention(q, k, v, scale=scale)  # (T, d_v), (T, T)
+        output, weights = scaled_dot_product_attention(
+            q, k, v, scale=scale
+        )  # (T, d_v), (T, T)
         head_scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
         scores = q @ k.T  # (T, T)
-        heads.append(HeadSteps(q, k, v, scores, scores * head_scale, weights, output))
-    concat = np.concatenate([head.output for head in heads], axis=-1)  # (T, H * d_v)
+        heads.append(
+            HeadSteps(q, k, v, scores, scores * head_scale, weights, output)
+        )
+    concat = np.concatenate(
+        [head.output for head in heads], axis=-1
+    )  # (T, H * d_v)
     w_o = np.asarray(w_o, dtype=np.float64)
     if w_o.ndim != 2 or w_o.shape[0] != concat.shape[-1]:
-        raise ValueError(f"w_o must have shape ({concat.shape[-1]}, D_out), got shape {w_o.shape}")
+        raise ValueError(
+            f"w_o must have shape ({concat.shape[-1]}, D_out), got shape {w_o.shape}"
+        )
     loop = fused = (None, None)
     if scale is None:
-        loop = multi_head_attention_loop(x, w_q_heads, w_k_heads, w_v_heads, w_o)  # (T, D_out), (H, T, T)
-        fused_w = [np.concatenate([np.asarray(w) for w in ws], axis=1) for ws in (w_q_heads, w_k_heads, w_v_heads)]
-        if len({w.shape[1] for w in fused_w}) == 1:  # the fused form needs d_v = d_k
-            fused = multi_head_attention(x, *fused_w, w_o, num_heads)  # (T, D_out), (H, T, T)
+        loop = multi_head_attention_loop(
+            x, w_q_heads, w_k_heads, w_v_heads, w_o
+        )  # (T, D_out), (H, T, T)
+        fused_w = [
+            np.concatenate([np.asarray(w) for w in ws], axis=1)
+            for ws in (w_q_heads, w_k_heads, w_v_heads)
+        ]
+        if (
+            len({w.shape[1] for w in fused_w}) == 1
+        ):  # the fused form needs d_v = d_k
+            fused = multi_head_attention(
+                x, *fused_w, w_o, num_heads
+            )  # (T, D_out), (H, T, T)
     return WorkedExample(tuple(heads), concat, concat @ w_o, *loop, *fused)

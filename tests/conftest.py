@@ -1,10 +1,30 @@
-"""Shared fixtures for the tests of the mha package."""
+"""Shared fixtures and markers for the tests of the mha package."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "cuda: needs an NVIDIA GPU; skipped, with the reason, where there is none"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any(item.get_closest_marker("cuda") for item in items):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="module")
@@ -16,3 +36,17 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """A seeded NumPy generator, new for each test."""
+    return np.random.default_rng(0)
+
+
+@pytest.fixture
+def torch_gen():
+    """A seeded torch generator, new for each test."""
+    import torch
+
+    return torch.Generator().manual_seed(0)

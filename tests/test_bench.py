@@ -12,13 +12,38 @@ import sys
 import numpy as np
 import pytest
 import torch
+from mha import bench, counting, reference
+from mha.functional import reference_weights
 from torch.utils.flop_counter import FlopCounterMode
 
-from mha import bench, reference
-
-ENV_FIELDS = ("device", "device_name", "torch_version", "numpy_version", "dtype", "date_utc", "git_commit", "threads")
-TINY = ["--batch", "2", "--heads", "2", "--head-dim", "8", "--seq-lens", "8", "16",
-        "--repeats", "2", "--warmup", "1", "--min-time", "0", "--quiet"]
+ENV_FIELDS = (
+    "device",
+    "device_name",
+    "torch_version",
+    "numpy_version",
+    "dtype",
+    "date_utc",
+    "git_commit",
+    "threads",
+)
+TINY = [
+    "--batch",
+    "2",
+    "--heads",
+    "2",
+    "--head-dim",
+    "8",
+    "--seq-lens",
+    "8",
+    "16",
+    "--repeats",
+    "2",
+    "--warmup",
+    "1",
+    "--min-time",
+    "0",
+    "--quiet",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -27,18 +52,55 @@ TINY = ["--batch", "2", "--heads", "2", "--head-dim", "8", "--seq-lens", "8", "1
 
 def test_help_lists_every_option() -> None:
     completed = subprocess.run(
-        [sys.executable, "-m", "mha.bench", "--help"], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-m", "mha.bench", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
-    for option in ("--device", "--dtype", "--batch", "--heads", "--head-dim", "--seq-lens", "--impl",
-                   "--repeats", "--warmup", "--causal", "--output", "--memory", "--threads"):
+    for option in (
+        "--device",
+        "--dtype",
+        "--batch",
+        "--heads",
+        "--head-dim",
+        "--seq-lens",
+        "--impl",
+        "--repeats",
+        "--warmup",
+        "--causal",
+        "--output",
+        "--memory",
+        "--threads",
+    ):
         assert option in completed.stdout
     assert "--memory-probe" not in completed.stdout
 
 
 def test_cli_writes_json_and_csv(tmp_path, capsys) -> None:
-    impls = ["numpy_fused", "torch_textbook", "mha_module", "torch_mha", "sdpa_bare", "projections", "sdpa_math"]
+    impls = [
+        "numpy_fused",
+        "torch_textbook",
+        "mha_module",
+        "torch_mha",
+        "sdpa_bare",
+        "projections",
+        "sdpa_math",
+    ]
     json_path, csv_path = tmp_path / "out.json", tmp_path / "out.csv"
-    assert bench.main([*TINY, "--impl", *impls, "--output", str(json_path), str(csv_path)]) == 0
+    assert (
+        bench.main(
+            [
+                *TINY,
+                "--impl",
+                *impls,
+                "--output",
+                str(json_path),
+                str(csv_path),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "mha_module/sdpa_bare" in printed and "torch_mha/mha_module" in printed
 
@@ -64,7 +126,9 @@ def test_cli_writes_json_and_csv(tmp_path, capsys) -> None:
             assert row["layer_flop_per_s"] is None
             assert row["core_flop_per_s"] == pytest.approx(row["core_flop"] / row["median_s"])
         else:
-            assert row["projection_flop_per_s"] == pytest.approx(row["projection_flop"] / row["median_s"])
+            assert row["projection_flop_per_s"] == pytest.approx(
+                row["projection_flop"] / row["median_s"]
+            )
     assert [r["seq_len"] for r in report["ratios"]] == [8, 16]
     for ratio in report["ratios"]:
         assert ratio["mha_module/sdpa_bare"] > 0 and ratio["torch_mha/mha_module"] > 0
@@ -87,9 +151,29 @@ def test_cli_rejects_unknown_output_suffix(tmp_path) -> None:
 
 def test_memory_mode_measures_each_call_in_its_own_process(tmp_path) -> None:
     json_path = tmp_path / "memory.json"
-    bench.main(["--memory", "--batch", "1", "--heads", "2", "--head-dim", "8", "--seq-lens", "64",
-                "--impl", "sdpa_bare", "torch_textbook", "--repeats", "1", "--min-time", "0", "--quiet",
-                "--output", str(json_path)])
+    bench.main(
+        [
+            "--memory",
+            "--batch",
+            "1",
+            "--heads",
+            "2",
+            "--head-dim",
+            "8",
+            "--seq-lens",
+            "64",
+            "--impl",
+            "sdpa_bare",
+            "torch_textbook",
+            "--repeats",
+            "1",
+            "--min-time",
+            "0",
+            "--quiet",
+            "--output",
+            str(json_path),
+        ]
+    )
     report = json.loads(json_path.read_text())
     assert report["config"]["memory"] is True
     for row in report["results"]:
@@ -100,15 +184,31 @@ def test_memory_mode_measures_each_call_in_its_own_process(tmp_path) -> None:
 
 def test_skipped_implementations_say_why() -> None:
     report = bench.run_benchmark(
-        dtype="bfloat16", batch=1, heads=2, head_dim=8, seq_lens=[8], impls=["numpy_loop", "sdpa_bare"],
-        repeats=1, min_time=0.0, quiet=True,
+        dtype="bfloat16",
+        batch=1,
+        heads=2,
+        head_dim=8,
+        seq_lens=[8],
+        impls=["numpy_loop", "sdpa_bare"],
+        repeats=1,
+        min_time=0.0,
+        quiet=True,
     )
     numpy_row, sdpa_row = report["results"]
     assert numpy_row["status"] == "skipped" and "bfloat16" in numpy_row["reason"]
     assert sdpa_row["status"] == "ok"
 
-    report = bench.run_benchmark(batch=1, heads=2, head_dim=8, seq_lens=[8, 32], impls=["numpy_fused"],
-                                 repeats=1, min_time=0.0, numpy_max_len=16, quiet=True)
+    report = bench.run_benchmark(
+        batch=1,
+        heads=2,
+        head_dim=8,
+        seq_lens=[8, 32],
+        impls=["numpy_fused"],
+        repeats=1,
+        min_time=0.0,
+        numpy_max_len=16,
+        quiet=True,
+    )
     assert [r["status"] for r in report["results"]] == ["ok", "skipped"]
     assert "--numpy-max-len" in report["results"][1]["reason"]
 
@@ -126,12 +226,22 @@ def test_bad_arguments_raise_value_error() -> None:
 
 def test_ratios_without_rounds_are_quotients_of_median_times() -> None:
     def row(impl: str, seconds: float, peak: int) -> dict:
-        return {"impl": impl, "seq_len": 64, "status": "ok", "median_s": seconds, "peak_memory_bytes": peak}
+        return {
+            "impl": impl,
+            "seq_len": 64,
+            "status": "ok",
+            "median_s": seconds,
+            "peak_memory_bytes": peak,
+        }
 
     report = {
         "config": {"seq_lens": [64], "memory": True},
-        "results": [row("sdpa_bare", 2.0, 100), row("mha_module", 2.2, 110), row("torch_mha", 5.5, 1100),
-                    row("torch_textbook", 6.6, 2200)],
+        "results": [
+            row("sdpa_bare", 2.0, 100),
+            row("mha_module", 2.2, 110),
+            row("torch_mha", 5.5, 1100),
+            row("torch_textbook", 6.6, 2200),
+        ],
     }
     (ratio,) = bench.ratios(report)
     assert ratio["mha_module/sdpa_bare"] == pytest.approx(1.1)
@@ -145,48 +255,72 @@ def test_time_ratios_pair_the_calls_of_each_round() -> None:
     report = {
         "config": {"seq_lens": [64]},
         "results": [
-            {"impl": "mha_module", "seq_len": 64, "status": "ok", "median_s": 2.2, "times_s": [2.2, 11.0, 1.2]},
-            {"impl": "sdpa_bare", "seq_len": 64, "status": "ok", "median_s": 2.0, "times_s": [2.0, 10.0, 1.0]},
+            {
+                "impl": "mha_module",
+                "seq_len": 64,
+                "status": "ok",
+                "median_s": 2.2,
+                "times_s": [2.2, 11.0, 1.2],
+            },
+            {
+                "impl": "sdpa_bare",
+                "seq_len": 64,
+                "status": "ok",
+                "median_s": 2.0,
+                "times_s": [2.0, 10.0, 1.0],
+            },
         ],
     }
     assert bench.ratios(report)[0]["mha_module/sdpa_bare"] == pytest.approx(1.1)
     # Every round 1.2, though the medians (2.2 and 2.0) are in the ratio 1.1: the rounds decide.
     report["results"][0]["times_s"] = [2.4, 12.0, 1.2]
     assert bench.ratios(report)[0]["mha_module/sdpa_bare"] == pytest.approx(1.2)
-    assert report["results"][0]["median_s"] / report["results"][1]["median_s"] == pytest.approx(1.1)
+    assert report["results"][0]["median_s"] / report["results"][1]["median_s"] == pytest.approx(
+        1.1
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # FLOP counts
 
 
-def test_flop_counts_match_hand_derived_values() -> None:
-    # B=2, H=3, T=5, d_k=4: per head, Q K^T has 5 x 5 outputs of 4 multiply-adds = 100 MACs,
-    # weights V another 100; 200 MACs = 400 FLOPs per head, times B H = 6 -> 2400.
-    assert bench.attention_core_flop_count(2, 3, 5, 4) == 2400
-    assert bench.attention_core_flop_count(2, 3, 5, 4, causal=True) == 1200
-    # D = 12: one projection has B T = 10 rows x 12 outputs x 12 MACs = 1440 MACs = 2880 FLOPs; four of them.
-    assert bench.projection_flop_count(2, 5, 12) == 4 * 2880
-    assert bench.layer_flop_count(2, 3, 5, 4) == 2400 + 4 * 2880
-    # The defaults of the benchmark, B=8, H=8, d_k=64, T=1024: core 4*8*8*1024^2*64 = 2^34 FLOPs,
-    # projections 8*8*1024*512^2 = 2^34 as well (T = 2 D is where the two are equal).
-    assert bench.attention_core_flop_count(8, 8, 1024, 64) == 2**34
-    assert bench.projection_flop_count(8, 1024, 512) == 2**34
+def test_rows_carry_the_flop_counts_of_mha_counting() -> None:
+    report = bench.run_benchmark(
+        batch=2,
+        heads=3,
+        head_dim=4,
+        seq_lens=[5],
+        impls=["sdpa_bare", "sdpa_math"],
+        repeats=1,
+        min_time=0.0,
+        causal=True,
+        quiet=True,
+    )
+    layer_row, core_row = report["results"]
+    # By hand: 2 B H T^2 d_k per product, two products, halved when causal: 4*2*3*25*4 / 2 = 1200.
+    assert layer_row["core_flop"] == core_row["flop"] == 1200
+    # Four projections of 2 B T D^2 = 2*2*5*144 = 2880 FLOPs each.
+    assert layer_row["projection_flop"] == 4 * 2880
+    assert layer_row["flop"] == 1200 + 4 * 2880
 
 
 def test_flop_counts_match_torch_flop_counter() -> None:
     config = bench.BenchConfig(batch=2, seq_len=24, heads=4, head_dim=8)
     layer, x = bench.make_layer(config), bench.make_input(config)
     with FlopCounterMode(display=False) as counter, torch.no_grad():
-        bench.textbook_attention(x, *bench._layer_weights(layer), config.heads)
-    assert counter.get_total_flops() == bench.layer_flop_count(2, 4, 24, 8)
+        bench.textbook_attention(x, layer)
+    assert counter.get_total_flops() == counting.layer_flops(2, 24, 32, 4)
 
 
 # ---------------------------------------------------------------------------------------------
 # Every implementation computes the same function
 
 
-def _outputs(config: bench.BenchConfig, layer: torch.nn.MultiheadAttention, x: torch.Tensor) -> dict[str, np.ndarray]:
+def _outputs(
+    config: bench.BenchConfig,
+    layer: torch.nn.MultiheadAttention,
+    x: torch.Tensor,
+) -> dict[str, np.ndarray]:
     outputs = {}
     for impl in bench.IMPLEMENTATIONS:
         try:
@@ -195,40 +329,57 @@ def _outputs(config: bench.BenchConfig, layer: torch.nn.MultiheadAttention, x: t
                 outputs[impl] = np.asarray(runner(), dtype=np.float64)
         except bench.Unsupported:
             continue
-        except RuntimeError as error:  # a backend this device does not have (efficient, cudnn on a CPU)
+        except (
+            RuntimeError
+        ) as error:  # a backend this device does not have (efficient, cudnn on a CPU)
             assert impl in ("sdpa_efficient", "sdpa_cudnn"), error
     return outputs
 
 
-def _expected(config: bench.BenchConfig, layer: torch.nn.MultiheadAttention, x: torch.Tensor):
+def _expected(
+    config: bench.BenchConfig,
+    layer: torch.nn.MultiheadAttention,
+    x: torch.Tensor,
+):
     """Layer output, core output (B, H, T, d_k) and projections output, from the NumPy reference
     with torch's (out, in) weight layout transposed and the biases added by hand."""
-    D, H = config.embed_dim, config.heads
+    H = config.heads
+    w = reference_weights(layer, dtype=np.float64)
     x_np = x.numpy().astype(np.float64)
-    w_in = layer.in_proj_weight.detach().numpy().astype(np.float64)  # (3D, D)
-    b_in = layer.in_proj_bias.detach().numpy().astype(np.float64)  # (3D,)
-    w_out = layer.out_proj.weight.detach().numpy().astype(np.float64)  # (D, D)
-    b_out = layer.out_proj.bias.detach().numpy().astype(np.float64)  # (D,)
-    q, k, v = (x_np @ w_in[i * D:(i + 1) * D].T + b_in[i * D:(i + 1) * D] for i in range(3))  # (B, T, D)
+    q, k, v = (
+        x_np @ w.w_q + w.b_q,
+        x_np @ w.w_k + w.b_k,
+        x_np @ w.w_v + w.b_v,
+    )  # (B, T, D) each
     mask = reference.causal_mask(config.seq_len) if config.causal else None
     heads, _ = reference.scaled_dot_product_attention(
-        reference.split_heads(q, H), reference.split_heads(k, H), reference.split_heads(v, H), mask
+        reference.split_heads(q, H),
+        reference.split_heads(k, H),
+        reference.split_heads(v, H),
+        mask,
     )  # (B, H, T, d_k)
-    layer_out = reference.merge_heads(heads) @ w_out.T + b_out  # (B, T, D)
-    return layer_out, heads, v @ w_out.T + b_out
+    layer_out = reference.merge_heads(heads) @ w.w_o + w.b_o  # (B, T, D)
+    return layer_out, heads, v @ w.w_o + w.b_o
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype, tolerance", [("float64", 1e-12), ("float32", 2e-5)])
-def test_every_implementation_computes_the_same_output(causal: bool, dtype: str, tolerance: float) -> None:
-    config = bench.BenchConfig(batch=2, seq_len=12, heads=4, head_dim=8, dtype=dtype, causal=causal)
+def test_every_implementation_computes_the_same_output(
+    causal: bool, dtype: str, tolerance: float
+) -> None:
+    config = bench.BenchConfig(
+        batch=2, seq_len=12, heads=4, head_dim=8, dtype=dtype, causal=causal
+    )
     layer, x = bench.make_layer(config), bench.make_input(config)
     outputs = _outputs(config, layer, x)
-    assert {"numpy_loop", "numpy_fused", "torch_textbook", "mha_module", "torch_mha", "sdpa_bare",
-            "projections", "sdpa_math"} <= set(outputs)
+    assert set(bench.default_impls("cpu")) <= set(outputs)  # every entry the CPU runs by default
     layer_out, core_out, projections_out = _expected(config, layer, x)
     for impl, output in outputs.items():
-        expected = {"layer": layer_out, "core": core_out, "projections": projections_out}[bench.IMPLEMENTATIONS[impl]]
+        expected = {
+            "layer": layer_out,
+            "core": core_out,
+            "projections": projections_out,
+        }[bench.IMPLEMENTATIONS[impl].scope]
         np.testing.assert_allclose(output, expected, rtol=tolerance, atol=tolerance, err_msg=impl)
 
 

@@ -7,8 +7,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
-
 from mha import counting
 from mha.counting import (
     MODEL_CONFIGS,
@@ -17,10 +15,13 @@ from mha.counting import (
     attention_flops,
     attention_parameters,
     attention_weights_bytes,
+    kv_cache_bytes,
+    layer_flops,
     parameter_bytes,
     projection_flops,
     softmax_rows,
 )
+from torch.utils.flop_counter import FlopCounterMode
 
 
 def torch_parameter_count(d_model: int, num_heads: int, **kwargs: object) -> int:
@@ -58,9 +59,21 @@ def test_d512_against_torch():
 )
 def test_parameters_against_torch(d_model, num_heads, bias, kdim, vdim, add_bias_kv):
     expected = torch_parameter_count(
-        d_model, num_heads, bias=bias, kdim=kdim, vdim=vdim, add_bias_kv=add_bias_kv
+        d_model,
+        num_heads,
+        bias=bias,
+        kdim=kdim,
+        vdim=vdim,
+        add_bias_kv=add_bias_kv,
     )
-    got = attention_parameters(d_model, num_heads, bias=bias, kdim=kdim, vdim=vdim, add_bias_kv=add_bias_kv)
+    got = attention_parameters(
+        d_model,
+        num_heads,
+        bias=bias,
+        kdim=kdim,
+        vdim=vdim,
+        add_bias_kv=add_bias_kv,
+    )
     assert got == expected
 
 
@@ -124,7 +137,9 @@ def test_flops_against_torch_flop_counter(batch, t_q, t_k, d_model, num_heads, k
     )
 
 
-def count_multiply_adds_of_loops(batch: int, t: int, d_model: int, num_heads: int) -> tuple[int, int]:
+def count_multiply_adds_of_loops(
+    batch: int, t: int, d_model: int, num_heads: int
+) -> tuple[int, int]:
     """Run explicit Python loops for a tiny self-attention and count every multiply-add they do."""
     rng = np.random.default_rng(0)
     d_k = d_model // num_heads
@@ -154,7 +169,10 @@ def count_multiply_adds_of_loops(batch: int, t: int, d_model: int, num_heads: in
     return macs["projections"], macs["core"]
 
 
-@pytest.mark.parametrize(("batch", "t", "d_model", "num_heads"), [(1, 3, 4, 2), (2, 2, 6, 3), (1, 5, 4, 1)])
+@pytest.mark.parametrize(
+    ("batch", "t", "d_model", "num_heads"),
+    [(1, 3, 4, 2), (2, 2, 6, 3), (1, 5, 4, 1)],
+)
 def test_flops_against_counted_loops(batch, t, d_model, num_heads):
     projection_macs, core_macs = count_multiply_adds_of_loops(batch, t, d_model, num_heads)
     assert projection_flops(batch, t, d_model) == 2 * projection_macs
@@ -166,6 +184,24 @@ def test_flops_by_hand():
     # Q K^T per head is (2, 2) @ (2, 2): 8 MACs; weights V the same; two heads: 32 MACs = 64 FLOPs.
     assert projection_flops(1, 2, 4) == 256
     assert attention_core_flops(1, 2, 4, 2) == 64
+    # B=2, H=3, T=5, d_k=4 (D=12): per head, Q K^T has 5 x 5 outputs of 4 multiply-adds = 100 MACs,
+    # weights V another 100; 200 MACs = 400 FLOPs per head, times B H = 6 -> 2400; causal: half.
+    assert attention_core_flops(2, 5, 12, 3) == 2400
+    assert attention_core_flops(2, 5, 12, 3, causal=True) == 1200
+    # One projection: B T = 10 rows x 12 outputs x 12 MACs = 1440 MACs = 2880 FLOPs; four of them.
+    assert layer_flops(2, 5, 12, 3) == 2400 + 4 * 2880
+    assert layer_flops(2, 5, 12, 3, causal=True) == 1200 + 4 * 2880
+    # The benchmark's defaults, B=8, H=8, d_k=64, T=1024: core 4*8*8*1024^2*64 = 2^34 FLOPs,
+    # projections 8*8*1024*512^2 = 2^34 as well (T = 2 D is where the two are equal).
+    assert attention_core_flops(8, 1024, 512, 8) == 2**34
+    assert projection_flops(8, 1024, 512) == 2**34
+
+
+def test_kv_cache_bytes_by_hand():
+    # Keys and values (2) x B=1 x T=4096 x L=32 x H_kv=32 x d_k=128 x 2 bytes = 2 GiB (Llama-2-7B, bf16).
+    assert kv_cache_bytes(1, 4096, 32, 32, 128) == 2 * 4096 * 32 * 32 * 128 * 2 == 2 * 2**30
+    # Per token and layer with one key/value head of 64 float32 numbers: 2 x 64 x 4 bytes.
+    assert kv_cache_bytes(1, 1, 1, 1, 64, bytes_per_element=4) == 512
 
 
 def test_core_and_projection_flops_are_equal_at_twice_d_model():
@@ -202,13 +238,41 @@ def test_parameter_bytes():
 @pytest.mark.parametrize(
     ("call", "error", "words"),
     [
-        (lambda: attention_parameters(10, 3), ValueError, "d_model (10) must be divisible by num_heads (3)"),
-        (lambda: attention_parameters(10, 0), ValueError, "num_heads must be a positive int, got 0"),
-        (lambda: attention_parameters(10.0, 2), TypeError, "d_model must be an int, got float"),
-        (lambda: attention_parameters(8, 2, kdim=0), ValueError, "kdim must be a positive int, got 0"),
-        (lambda: attention_flops(0, 4, 8, 2), ValueError, "batch must be a positive int, got 0"),
-        (lambda: attention_flops(1, 4, 8, True), TypeError, "num_heads must be an int, got bool"),
-        (lambda: attention_core_flops(1, 4, 8, 2, t_k=-1), ValueError, "t_k must be a positive int, got -1"),
+        (
+            lambda: attention_parameters(10, 3),
+            ValueError,
+            "d_model (10) must be divisible by num_heads (3)",
+        ),
+        (
+            lambda: attention_parameters(10, 0),
+            ValueError,
+            "num_heads must be a positive int, got 0",
+        ),
+        (
+            lambda: attention_parameters(10.0, 2),
+            TypeError,
+            "d_model must be an int, got float",
+        ),
+        (
+            lambda: attention_parameters(8, 2, kdim=0),
+            ValueError,
+            "kdim must be a positive int, got 0",
+        ),
+        (
+            lambda: attention_flops(0, 4, 8, 2),
+            ValueError,
+            "batch must be a positive int, got 0",
+        ),
+        (
+            lambda: attention_flops(1, 4, 8, True),
+            TypeError,
+            "num_heads must be an int, got bool",
+        ),
+        (
+            lambda: attention_core_flops(1, 4, 8, 2, t_k=-1),
+            ValueError,
+            "t_k must be a positive int, got -1",
+        ),
     ],
 )
 def test_bad_input(call, error, words):
@@ -222,11 +286,19 @@ PUBLISHED = {
     "Transformer big": (1024, 16, 6),  # vaswani2017attention, Table 3
     "BERT-base": (768, 12, 12),  # devlin2019bert: L=12, H=768, A=12
     "BERT-large": (1024, 16, 24),  # devlin2019bert: L=24, H=1024, A=16
-    "GPT-2 small": (768, 12, 12),  # radford2019language Table 2; openai2019gpt2code hparams
+    "GPT-2 small": (
+        768,
+        12,
+        12,
+    ),  # radford2019language Table 2; openai2019gpt2code hparams
     "GPT-2 medium": (1024, 16, 24),
     "GPT-2 large": (1280, 20, 36),
     "GPT-2 XL": (1600, 25, 48),
-    "GPT-3 175B": (12288, 96, 96),  # brown2020language, Table 2.1 (d_head = 128)
+    "GPT-3 175B": (
+        12288,
+        96,
+        96,
+    ),  # brown2020language, Table 2.1 (d_head = 128)
     "LLaMA-7B": (4096, 32, 32),  # touvron2023llama, Table 2
 }
 
@@ -265,7 +337,10 @@ def test_model_config_parameter_totals():
 
 
 def test_head_ablation_data():
-    rows = [(r.row, r.num_heads, r.d_k, r.d_v, r.perplexity_dev, r.bleu_dev) for r in VASWANI2017_HEAD_ABLATION]
+    rows = [
+        (r.row, r.num_heads, r.d_k, r.d_v, r.perplexity_dev, r.bleu_dev)
+        for r in VASWANI2017_HEAD_ABLATION
+    ]
     # vaswani2017attention, Table 3, rows (A), base and the first line of (B), newstest2013.
     assert rows == [
         ("(A)", 1, 512, 512, 5.29, 24.9),
@@ -276,7 +351,10 @@ def test_head_ablation_data():
         ("(B)", 8, 16, 64, 5.16, 25.1),
     ]
     for row in VASWANI2017_HEAD_ABLATION:
-        if row.row in ("(A)", "base"):  # constant computation: h * d_k = d_model = 512
+        if row.row in (
+            "(A)",
+            "base",
+        ):  # constant computation: h * d_k = d_model = 512
             assert row.num_heads * row.d_k == 512 and row.d_k == row.d_v
 
 

@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from mha import fitting
 from mha.fitting import (
     INPUT_DIM,
@@ -29,18 +28,9 @@ from mha.fitting import (
 )
 from mha.reference import multi_head_attention
 
+from helpers import generator
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # The tensors are tiny: extra threads only add overhead (and contend on a shared machine).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def generator(seed: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_kinds_two_of_each_and_no_equal_neighbours():
@@ -71,7 +61,9 @@ def test_batch_by_hand():
             assert batch.previous[b, i] == previous
             assert batch.partner[b, i] == partner
             assert previous != partner
-            expected_target = batch.payload[b, previous].tolist() + batch.payload[b, partner].tolist()
+            expected_target = (
+                batch.payload[b, previous].tolist() + batch.payload[b, partner].tolist()
+            )
             assert batch.target[b, i].tolist() == expected_target
 
 
@@ -80,10 +72,17 @@ def test_other_targets():
     summed = make_batch(10, generator(3), "sum")
     twice = make_batch(10, generator(3), "previous_twice")
     p = PAYLOAD_DIM
-    torch.testing.assert_close(summed.target, (separate.target[..., :p] + separate.target[..., p:]) / math.sqrt(2))
+    torch.testing.assert_close(
+        summed.target,
+        (separate.target[..., :p] + separate.target[..., p:]) / math.sqrt(2),
+    )
     torch.testing.assert_close(twice.target[..., :p], separate.target[..., :p])
     torch.testing.assert_close(twice.target[..., p:], separate.target[..., :p])
-    assert [target_dim(t) for t in ("separate", "sum", "previous_twice")] == [8, 4, 8]
+    assert [target_dim(t) for t in ("separate", "sum", "previous_twice")] == [
+        8,
+        4,
+        8,
+    ]
 
 
 def test_target_variance_is_one():
@@ -94,7 +93,16 @@ def test_target_variance_is_one():
 
 
 def test_token_labels():
-    assert token_labels(torch.tensor([2, 0, 1, 3, 0, 2, 3, 1])) == ["C0", "A1", "B2", "D3", "A4", "C5", "D6", "B7"]
+    assert token_labels(torch.tensor([2, 0, 1, 3, 0, 2, 3, 1])) == [
+        "C0",
+        "A1",
+        "B2",
+        "D3",
+        "A4",
+        "C5",
+        "D6",
+        "B7",
+    ]
 
 
 @pytest.mark.parametrize("num_heads", [1, 2, 4])
@@ -103,7 +111,9 @@ def test_attention_matches_numpy_reference(num_heads):
     weights = init_weights(16, 8, generator(6))
     output, attn = attention(batch.x, weights, num_heads)
     ref_output, ref_attn = multi_head_attention(
-        batch.x.numpy(), *(weights[n].numpy() for n in ("w_q", "w_k", "w_v", "w_o")), num_heads
+        batch.x.numpy(),
+        *(weights[n].numpy() for n in ("w_q", "w_k", "w_v", "w_o")),
+        num_heads,
     )
     assert output.shape == (3, SEQ_LEN, 8)
     assert attn.shape == (3, num_heads, SEQ_LEN, SEQ_LEN)
@@ -124,18 +134,33 @@ def test_init_does_not_depend_on_heads_and_has_fan_in_scale():
 
 def test_weight_on():
     batch = make_batch(5, generator(9))
-    exact = torch.stack([one_hot_pattern(batch.previous), one_hot_pattern(batch.partner)], dim=1)  # (B, 2, T, T)
-    torch.testing.assert_close(weight_on(exact, batch.previous), torch.tensor([1.0, 0.0], dtype=torch.float64))
-    torch.testing.assert_close(weight_on(exact, batch.partner), torch.tensor([0.0, 1.0], dtype=torch.float64))
+    exact = torch.stack(
+        [one_hot_pattern(batch.previous), one_hot_pattern(batch.partner)],
+        dim=1,
+    )  # (B, 2, T, T)
+    torch.testing.assert_close(
+        weight_on(exact, batch.previous),
+        torch.tensor([1.0, 0.0], dtype=torch.float64),
+    )
+    torch.testing.assert_close(
+        weight_on(exact, batch.partner),
+        torch.tensor([0.0, 1.0], dtype=torch.float64),
+    )
     uniform = torch.full((5, 1, SEQ_LEN, SEQ_LEN), 1 / SEQ_LEN, dtype=torch.float64)
-    torch.testing.assert_close(weight_on(uniform, batch.partner), torch.tensor([0.125], dtype=torch.float64))
+    torch.testing.assert_close(
+        weight_on(uniform, batch.partner),
+        torch.tensor([0.125], dtype=torch.float64),
+    )
     with pytest.raises(ValueError, match="index"):
         weight_on(uniform, batch.partner[:, :3])
 
 
 def test_best_readout_two_exact_maps_is_zero():
     batch = make_batch(200, generator(10))
-    maps = torch.stack([one_hot_pattern(batch.previous), one_hot_pattern(batch.partner)], dim=1)
+    maps = torch.stack(
+        [one_hot_pattern(batch.previous), one_hot_pattern(batch.partner)],
+        dim=1,
+    )
     assert best_readout_loss(maps, batch) < 1e-20
 
 
@@ -177,7 +202,10 @@ def test_two_heads_learn_both_relationships():
     batch = make_batch(256, generator(99))
     loss, attn = evaluate(result, batch)
     assert loss < 0.02
-    on_previous, on_partner = weight_on(attn, batch.previous), weight_on(attn, batch.partner)
+    on_previous, on_partner = (
+        weight_on(attn, batch.previous),
+        weight_on(attn, batch.partner),
+    )
     assert max(on_previous) > 0.8 and max(on_partner) > 0.8
     assert torch.argmax(on_previous) != torch.argmax(on_partner)
 
@@ -198,7 +226,10 @@ def test_errors_name_the_argument():
     with pytest.raises(TypeError, match="num_heads"):
         attention(make_batch(1, generator()).x, init_weights(16, 8, generator()), 2.0)
     with pytest.raises(ValueError, match="maps"):
-        best_readout_loss(torch.zeros(1, 1, 3, 3, dtype=torch.float64), make_batch(1, generator()))
+        best_readout_loss(
+            torch.zeros(1, 1, 3, 3, dtype=torch.float64),
+            make_batch(1, generator()),
+        )
     result = fit(1, steps=1, target="sum")
     with pytest.raises(ValueError, match="D_out"):
         evaluate(result, make_batch(1, generator(), "separate"))

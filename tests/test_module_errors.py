@@ -8,7 +8,6 @@ import re
 
 import pytest
 import torch
-
 from mha.module import MultiHeadAttention
 
 B, T_Q, T_K, E, H = 2, 3, 4, 8, 2
@@ -25,14 +24,21 @@ def module() -> MultiHeadAttention:
 
 @pytest.fixture
 def qkv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.randn(B, T_Q, E), torch.randn(B, T_K, 5), torch.randn(B, T_K, 6)
+    return (
+        torch.randn(B, T_Q, E),
+        torch.randn(B, T_K, 5),
+        torch.randn(B, T_K, 6),
+    )
 
 
 # --- the constructor ---------------------------------------------------------------------------
 
 
 def test_embed_dim_not_divisible_by_num_heads() -> None:
-    with pytest.raises(ValueError, match=r"embed_dim must be divisible by num_heads, got embed_dim=10 and num_heads=4"):
+    with pytest.raises(
+        ValueError,
+        match=r"embed_dim \(10\) must be divisible by num_heads \(4\)",
+    ):
         MultiHeadAttention(10, 4)
 
 
@@ -60,65 +66,109 @@ def test_dropout_outside_unit_interval(bad: float) -> None:
 
 
 @pytest.mark.parametrize("shape", [(E,), (1, B, T_Q, E)])
-def test_query_with_wrong_number_of_dimensions(module: MultiHeadAttention, qkv, shape: tuple[int, ...]) -> None:
+def test_query_with_wrong_number_of_dimensions(
+    module: MultiHeadAttention, qkv, shape: tuple[int, ...]
+) -> None:
     _, key, value = qkv
-    with pytest.raises(ValueError, match=esc(f"query must have 3 dimensions (batched) or 2 (unbatched), got shape {shape}")):
+    with pytest.raises(
+        ValueError,
+        match=esc(f"query must have 3 dimensions (batched) or 2 (unbatched), got shape {shape}"),
+    ):
         module(torch.randn(shape), key, value)
 
 
 def test_key_with_wrong_number_of_dimensions(module: MultiHeadAttention, qkv) -> None:
     query, key, value = qkv
-    with pytest.raises(ValueError, match=esc(f"key must have shape (B, T, kdim=5) (like query, {(B, T_Q, E)}), got shape {(T_K, 5)}")):
+    with pytest.raises(
+        ValueError,
+        match=esc(
+            f"key must have shape (B, T, kdim=5) (like query, {(B, T_Q, E)}), got shape {(T_K, 5)}"
+        ),
+    ):
         module(query, key[0], value)
 
 
 def test_unbatched_value_with_batched_query(module: MultiHeadAttention, qkv) -> None:
     query, key, value = qkv
-    with pytest.raises(ValueError, match=esc(f"value must have shape (T, vdim=6) (like query, {(T_Q, E)}), got shape {(B, T_K, 6)}")):
+    with pytest.raises(
+        ValueError,
+        match=esc(
+            f"value must have shape (T, vdim=6) (like query, {(T_Q, E)}), got shape {(B, T_K, 6)}"
+        ),
+    ):
         module(query[0], key[0], value)
 
 
 def test_query_feature_size(module: MultiHeadAttention, qkv) -> None:
     _, key, value = qkv
-    with pytest.raises(ValueError, match=esc(f"query must have shape (B, T, embed_dim=8), got shape {(B, T_Q, 7)}")):
+    with pytest.raises(
+        ValueError,
+        match=esc(f"query must have shape (B, T, embed_dim=8), got shape {(B, T_Q, 7)}"),
+    ):
         module(torch.randn(B, T_Q, 7), key, value)
 
 
 def test_key_feature_size(module: MultiHeadAttention, qkv) -> None:
     query, _, value = qkv
-    with pytest.raises(ValueError, match=esc(f"key must have shape (B, T, kdim=5) (like query, {(B, T_Q, E)}), got shape {(B, T_K, 8)}")):
+    with pytest.raises(
+        ValueError,
+        match=esc(
+            f"key must have shape (B, T, kdim=5) (like query, {(B, T_Q, E)}), got shape {(B, T_K, 8)}"
+        ),
+    ):
         module(query, torch.randn(B, T_K, 8), value)
 
 
 def test_value_feature_size(module: MultiHeadAttention, qkv) -> None:
     query, key, _ = qkv
-    with pytest.raises(ValueError, match=esc(f"value must have shape (B, T, vdim=6) (like query, {(B, T_Q, E)}), got shape {(B, T_K, 5)}")):
+    with pytest.raises(
+        ValueError,
+        match=esc(
+            f"value must have shape (B, T, vdim=6) (like query, {(B, T_Q, E)}), got shape {(B, T_K, 5)}"
+        ),
+    ):
         module(query, key, torch.randn(B, T_K, 5))
 
 
 def test_batch_sizes_differ(module: MultiHeadAttention, qkv) -> None:
     query, key, value = qkv
-    with pytest.raises(ValueError, match=esc(f"query, key and value must have the same batch size, got shapes {(B, T_Q, E)}, {(B + 1, T_K, 5)} and {(B, T_K, 6)}")):
+    with pytest.raises(
+        ValueError,
+        match=esc(
+            f"query, key and value must have the same batch size, got shapes {(B, T_Q, E)}, {(B + 1, T_K, 5)} and {(B, T_K, 6)}"
+        ),
+    ):
         module(query, torch.randn(B + 1, T_K, 5), value)
 
 
 def test_batch_sizes_differ_batch_first_false() -> None:
     module = MultiHeadAttention(E, H, batch_first=False)
-    query, key = torch.randn(T_Q, B, E), torch.randn(T_K, B + 1, E)  # (T, B, D)
+    query, key = (
+        torch.randn(T_Q, B, E),
+        torch.randn(T_K, B + 1, E),
+    )  # (T, B, D)
     with pytest.raises(ValueError, match="the same batch size"):
         module(query, key, key)
 
 
 def test_key_and_value_lengths_differ(module: MultiHeadAttention, qkv) -> None:
     query, key, _ = qkv
-    with pytest.raises(ValueError, match=esc(f"key and value must have the same length T_k, got shapes {(B, T_K, 5)} and {(B, T_K + 1, 6)}")):
+    with pytest.raises(
+        ValueError,
+        match=esc(
+            f"key and value must have the same length T_k, got shapes {(B, T_K, 5)} and {(B, T_K + 1, 6)}"
+        ),
+    ):
         module(query, key, torch.randn(B, T_K + 1, 6))
 
 
 def test_integer_query() -> None:
     module = MultiHeadAttention(E, H)
     tokens = torch.ones(B, T_Q, E, dtype=torch.long)
-    with pytest.raises(TypeError, match="query must be a floating-point tensor, got dtype torch.int64"):
+    with pytest.raises(
+        TypeError,
+        match="query must be a floating-point tensor, got dtype torch.int64",
+    ):
         module(tokens, tokens, tokens)
 
 
@@ -127,8 +177,22 @@ def test_integer_query() -> None:
 
 @pytest.mark.parametrize(
     "shape",
-    [(T_K, T_Q), (T_Q, T_K + 1), (B, T_Q, T_K), (H, T_Q, T_K), (B, H, T_Q, T_K), (T_K,)],
-    ids=["2-D transposed", "2-D wrong T_k", "3-D B not B*H", "3-D H not B*H", "4-D", "1-D"],
+    [
+        (T_K, T_Q),
+        (T_Q, T_K + 1),
+        (B, T_Q, T_K),
+        (H, T_Q, T_K),
+        (B, H, T_Q, T_K),
+        (T_K,),
+    ],
+    ids=[
+        "2-D transposed",
+        "2-D wrong T_k",
+        "3-D B not B*H",
+        "3-D H not B*H",
+        "4-D",
+        "1-D",
+    ],
 )
 def test_attn_mask_shape(module: MultiHeadAttention, qkv, shape: tuple[int, ...]) -> None:
     expected = f"attn_mask must have shape (T_q, T_k) = {(T_Q, T_K)} or (B * num_heads, T_q, T_k) = {(B * H, T_Q, T_K)}, got shape {shape}"
@@ -140,36 +204,62 @@ def test_attn_mask_shape_unbatched(module: MultiHeadAttention, qkv) -> None:
     query, key, value = (x[0] for x in qkv)
     expected = f"(num_heads, T_q, T_k) = {(H, T_Q, T_K)}, got shape {(B * H, T_Q, T_K)}"
     with pytest.raises(ValueError, match=esc(expected)):
-        module(query, key, value, attn_mask=torch.zeros(B * H, T_Q, T_K, dtype=torch.bool))
+        module(
+            query,
+            key,
+            value,
+            attn_mask=torch.zeros(B * H, T_Q, T_K, dtype=torch.bool),
+        )
 
 
 @pytest.mark.parametrize("shape", [(B, T_Q), (T_K,), (B, 1, T_K), (1, T_K)])
 def test_key_padding_mask_shape(module: MultiHeadAttention, qkv, shape: tuple[int, ...]) -> None:
-    with pytest.raises(ValueError, match=esc(f"key_padding_mask must have shape (B, T_k) = {(B, T_K)}, got shape {shape}")):
+    with pytest.raises(
+        ValueError,
+        match=esc(f"key_padding_mask must have shape (B, T_k) = {(B, T_K)}, got shape {shape}"),
+    ):
         module(*qkv, key_padding_mask=torch.zeros(shape, dtype=torch.bool))
 
 
 def test_key_padding_mask_shape_unbatched(module: MultiHeadAttention, qkv) -> None:
     query, key, value = (x[0] for x in qkv)
-    with pytest.raises(ValueError, match=esc(f"key_padding_mask must have shape (T_k,) = {(T_K,)}, got shape {(1, T_K)}")):
-        module(query, key, value, key_padding_mask=torch.zeros(1, T_K, dtype=torch.bool))
+    with pytest.raises(
+        ValueError,
+        match=esc(f"key_padding_mask must have shape (T_k,) = {(T_K,)}, got shape {(1, T_K)}"),
+    ):
+        module(
+            query,
+            key,
+            value,
+            key_padding_mask=torch.zeros(1, T_K, dtype=torch.bool),
+        )
 
 
 @pytest.mark.parametrize("name", ["attn_mask", "key_padding_mask"])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.int32])
 def test_integer_mask(module: MultiHeadAttention, qkv, name: str, dtype: torch.dtype) -> None:
     shape = (T_Q, T_K) if name == "attn_mask" else (B, T_K)
-    with pytest.raises(TypeError, match=esc(f"{name} must be a bool tensor (True = not allowed) or a float tensor (added to the scores), got dtype {dtype}")):
+    with pytest.raises(
+        TypeError,
+        match=esc(
+            f"{name} must be a bool tensor (True = not allowed) or a float tensor (added to the scores), got dtype {dtype}"
+        ),
+    ):
         module(*qkv, **{name: torch.zeros(shape, dtype=dtype)})
 
 
 @pytest.mark.parametrize("name", ["attn_mask", "key_padding_mask"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
-def test_float_mask_with_nan_or_plus_inf(module: MultiHeadAttention, qkv, name: str, bad: float) -> None:
+def test_float_mask_with_nan_or_plus_inf(
+    module: MultiHeadAttention, qkv, name: str, bad: float
+) -> None:
     shape = (T_Q, T_K) if name == "attn_mask" else (B, T_K)
     mask = torch.zeros(shape)
     mask[-1, 1] = bad
-    with pytest.raises(ValueError, match=esc(f"{name} must not contain NaN or +inf (use -inf to block a key)")):
+    with pytest.raises(
+        ValueError,
+        match=esc(f"{name} must not contain NaN or +inf (use -inf to block a key)"),
+    ):
         module(*qkv, **{name: mask})
     mask[-1, 1] = -math.inf  # -inf is how a float mask blocks a key: accepted
     output, _ = module(*qkv, **{name: mask})
@@ -190,5 +280,10 @@ def test_head_mask_shape(module: MultiHeadAttention, qkv, shape: tuple[int, ...]
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.int64])
 def test_head_mask_not_float(module: MultiHeadAttention, qkv, dtype: torch.dtype) -> None:
-    with pytest.raises(TypeError, match=esc(f"head_mask must be a float tensor of multipliers (1 keeps a head, 0 removes it), got dtype {dtype}")):
+    with pytest.raises(
+        TypeError,
+        match=esc(
+            f"head_mask must be a float tensor of multipliers (1 keeps a head, 0 removes it), got dtype {dtype}"
+        ),
+    ):
         module(*qkv, head_mask=torch.ones(H, dtype=dtype))

@@ -17,7 +17,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from mha.module import MultiHeadAttention
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -75,7 +74,8 @@ def configs(draw: st.DrawFn) -> Config:
         t_q=t_q,
         t_k=t_k,
         self_attention=self_attention,
-        key_is_value=self_attention or ((kdim or embed_dim) == (vdim or embed_dim) and draw(st.booleans())),
+        key_is_value=self_attention
+        or ((kdim or embed_dim) == (vdim or embed_dim) and draw(st.booleans())),
         attn_mask=attn_mask,
         key_padding_mask=draw(st.sampled_from([None, "bool", "float"])),
         is_causal=is_causal,
@@ -86,7 +86,9 @@ def configs(draw: st.DrawFn) -> Config:
     )
 
 
-def make_masks(cfg: Config, rng: np.random.Generator) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def make_masks(
+    cfg: Config, rng: np.random.Generator
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Random masks in torch's convention (True = not allowed), leaving each query row an allowed key."""
     b = cfg.batch or 1
     h, t_q, t_k = cfg.num_heads, cfg.t_q, cfg.t_k
@@ -103,14 +105,20 @@ def make_masks(cfg: Config, rng: np.random.Generator) -> tuple[torch.Tensor | No
             blocked = rng.random((t_q, t_k)) < 0.4
         else:
             blocked = rng.random((b * h, t_q, t_k)) < 0.4
-        per_head = blocked.reshape(-1, h if blocked.ndim == 3 else 1, t_q, t_k)  # a view of blocked
+        per_head = blocked.reshape(
+            -1, h if blocked.ndim == 3 else 1, t_q, t_k
+        )  # a view of blocked
         combined = per_head if padding is None else per_head | padding[:, None, None, :]
         empty = combined.all(axis=-1)  # (B or 1, H or 1, T_q): rows with no allowed key
         if blocked.ndim == 2:
             blocked[empty.any(axis=(0, 1)), anchor] = False
         else:
             per_head[..., anchor][empty] = False
-        assert not (per_head if padding is None else per_head | padding[:, None, None, :]).all(axis=-1).any()
+        assert (
+            not (per_head if padding is None else per_head | padding[:, None, None, :])
+            .all(axis=-1)
+            .any()
+        )
 
     def to_torch(block: np.ndarray | None, kind: str | None) -> torch.Tensor | None:
         if block is None:
@@ -118,7 +126,9 @@ def make_masks(cfg: Config, rng: np.random.Generator) -> tuple[torch.Tensor | No
         if kind.startswith("bool"):
             return torch.from_numpy(block)
         # torch takes a causal attn_mask as a hint and may use its own causal mask: 0 / -inf only
-        finite = 0.0 if cfg.is_causal and block is blocked else rng.normal(scale=2.0, size=block.shape)
+        finite = (
+            0.0 if cfg.is_causal and block is blocked else rng.normal(scale=2.0, size=block.shape)
+        )
         values = np.where(block, -np.inf, finite)
         return torch.from_numpy(values).to(cfg.dtype)
 
@@ -129,7 +139,9 @@ def make_masks(cfg: Config, rng: np.random.Generator) -> tuple[torch.Tensor | No
     return attn_mask, key_padding_mask
 
 
-def make_inputs(cfg: Config, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_inputs(
+    cfg: Config, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     lead = () if cfg.batch is None else (cfg.batch,)
 
     def randn(*shape: int) -> torch.Tensor:
@@ -147,24 +159,42 @@ def perturb(module: torch.nn.Module, generator: torch.Generator) -> None:
     """Add noise to every parameter, so that biases (zero at initialisation) are tested too."""
     with torch.no_grad():
         for parameter in module.parameters():
-            parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+            parameter.add_(
+                0.3 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+            )
 
 
 def torch_fast_path_applies(cfg: Config, *masks: torch.Tensor | None) -> bool:
     """The conditions under which torch.nn.MultiheadAttention.forward uses its fused fast path."""
     float_mask = any(m is not None and m.is_floating_point() for m in masks)
     return (
-        cfg.self_attention and cfg.batch is not None and cfg.bias and cfg.num_heads % 2 == 0 and not float_mask
+        cfg.self_attention
+        and cfg.batch is not None
+        and cfg.bias
+        and cfg.num_heads % 2 == 0
+        and not float_mask
     )
 
 
 def assert_same(ours: tuple, theirs: tuple, dtype: torch.dtype, what: str) -> None:
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(ours[0], theirs[0], atol=tol, rtol=tol, msg=lambda m: f"{what} output: {m}")
+    torch.testing.assert_close(
+        ours[0],
+        theirs[0],
+        atol=tol,
+        rtol=tol,
+        msg=lambda m: f"{what} output: {m}",
+    )
     if theirs[1] is None:
         assert ours[1] is None, what
     else:
-        torch.testing.assert_close(ours[1], theirs[1], atol=tol, rtol=tol, msg=lambda m: f"{what} weights: {m}")
+        torch.testing.assert_close(
+            ours[1],
+            theirs[1],
+            atol=tol,
+            rtol=tol,
+            msg=lambda m: f"{what} weights: {m}",
+        )
 
 
 def check_config(cfg: Config) -> None:
@@ -179,7 +209,14 @@ def check_config(cfg: Config) -> None:
         average_attn_weights=cfg.average_attn_weights,
         is_causal=cfg.is_causal,
     )
-    build = dict(embed_dim=cfg.embed_dim, num_heads=cfg.num_heads, bias=cfg.bias, kdim=cfg.kdim, vdim=cfg.vdim, dtype=cfg.dtype)
+    build = dict(
+        embed_dim=cfg.embed_dim,
+        num_heads=cfg.num_heads,
+        bias=cfg.bias,
+        kdim=cfg.kdim,
+        vdim=cfg.vdim,
+        dtype=cfg.dtype,
+    )
 
     def torch_module() -> torch.nn.MultiheadAttention:
         module = torch.nn.MultiheadAttention(**build, batch_first=True).eval()
@@ -194,14 +231,23 @@ def check_config(cfg: Config) -> None:
     # Direction 1: ours <- torch's state_dict.  Direction 2: torch <- ours.
     theirs_1, ours_1 = torch_module(), MultiHeadAttention(**build).eval()
     ours_1.load_state_dict(theirs_1.state_dict())
-    ours_2, theirs_2 = our_module(), torch.nn.MultiheadAttention(**build, batch_first=True).eval()
+    ours_2, theirs_2 = (
+        our_module(),
+        torch.nn.MultiheadAttention(**build, batch_first=True).eval(),
+    )
     theirs_2.load_state_dict(ours_2.state_dict())
 
     fast = torch_fast_path_applies(cfg, attn_mask, key_padding_mask)
-    for direction, ours, theirs in (("ours<-torch", ours_1, theirs_1), ("torch<-ours", ours_2, theirs_2)):
+    for direction, ours, theirs in (
+        ("ours<-torch", ours_1, theirs_1),
+        ("torch<-ours", ours_2, theirs_2),
+    ):
         with warnings.catch_warnings():
             # torch warns when the two masks' types differ (bool and float); we accept both.
-            warnings.filterwarnings("ignore", message="Support for mismatched key_padding_mask and attn_mask")
+            warnings.filterwarnings(
+                "ignore",
+                message="Support for mismatched key_padding_mask and attn_mask",
+            )
             expected = theirs(query, key, value, **kwargs)
             got = ours(query, key, value, **kwargs)
             assert_same(got, expected, cfg.dtype, f"{direction} {cfg}")
@@ -210,7 +256,7 @@ def check_config(cfg: Config) -> None:
                     expected = theirs(query, key, value, **kwargs)
                     got = ours(query, key, value, **kwargs)
                 assert_same(got, expected, cfg.dtype, f"{direction} fast path {cfg}")
-    
+
 
 @settings(
     derandomize=True,
@@ -226,7 +272,9 @@ def test_parity_with_torch(cfg: Config) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_parity_batch_first_false(dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(0)
-    theirs = torch.nn.MultiheadAttention(8, 2, kdim=3, vdim=5, dtype=dtype).eval()  # batch_first=False
+    theirs = torch.nn.MultiheadAttention(
+        8, 2, kdim=3, vdim=5, dtype=dtype
+    ).eval()  # batch_first=False
     perturb(theirs, generator)
     ours = MultiHeadAttention(8, 2, kdim=3, vdim=5, batch_first=False, dtype=dtype).eval()
     ours.load_state_dict(theirs.state_dict())
@@ -235,10 +283,29 @@ def test_parity_batch_first_false(dtype: torch.dtype) -> None:
     value = torch.randn(6, 3, 5, generator=generator, dtype=dtype)  # (T_k, B, vdim)
     padding = torch.tensor([[False] * 6, [False] * 4 + [True] * 2, [True] + [False] * 5])
     for need_weights in (True, False):
-        got = ours(query, key, value, key_padding_mask=padding, need_weights=need_weights, average_attn_weights=False)
-        expected = theirs(query, key, value, key_padding_mask=padding, need_weights=need_weights, average_attn_weights=False)
+        got = ours(
+            query,
+            key,
+            value,
+            key_padding_mask=padding,
+            need_weights=need_weights,
+            average_attn_weights=False,
+        )
+        expected = theirs(
+            query,
+            key,
+            value,
+            key_padding_mask=padding,
+            need_weights=need_weights,
+            average_attn_weights=False,
+        )
         assert got[0].shape == (4, 3, 8)
-        assert_same(got, expected, dtype, f"batch_first=False need_weights={need_weights}")
+        assert_same(
+            got,
+            expected,
+            dtype,
+            f"batch_first=False need_weights={need_weights}",
+        )
 
     # Self-attention, where one fused projection serves query, key and value.
     theirs = torch.nn.MultiheadAttention(8, 2, dtype=dtype).eval()
@@ -246,33 +313,78 @@ def test_parity_batch_first_false(dtype: torch.dtype) -> None:
     ours = MultiHeadAttention(8, 2, batch_first=False, dtype=dtype).eval()
     ours.load_state_dict(theirs.state_dict())
     x = torch.randn(6, 3, 8, generator=generator, dtype=dtype)  # (T, B, D)
-    padding = torch.tensor([[False] * 6, [False] * 4 + [True] * 2, [False] * 5 + [True]])  # key 0 always seen
+    padding = torch.tensor(
+        [[False] * 6, [False] * 4 + [True] * 2, [False] * 5 + [True]]
+    )  # key 0 always seen
     for need_weights in (True, False):
-        got = ours(x, x, x, key_padding_mask=padding, need_weights=need_weights, is_causal=True)
-        expected = theirs(x, x, x, key_padding_mask=padding, need_weights=need_weights, is_causal=True,
-                          attn_mask=torch.ones(6, 6, dtype=torch.bool).triu(diagonal=1))
-        assert_same(got, expected, dtype, f"batch_first=False self-attention need_weights={need_weights}")
+        got = ours(
+            x,
+            x,
+            x,
+            key_padding_mask=padding,
+            need_weights=need_weights,
+            is_causal=True,
+        )
+        expected = theirs(
+            x,
+            x,
+            x,
+            key_padding_mask=padding,
+            need_weights=need_weights,
+            is_causal=True,
+            attn_mask=torch.ones(6, 6, dtype=torch.bool).triu(diagonal=1),
+        )
+        assert_same(
+            got,
+            expected,
+            dtype,
+            f"batch_first=False self-attention need_weights={need_weights}",
+        )
 
 
 @pytest.mark.parametrize("need_weights", [True, False])
 @pytest.mark.parametrize("with_padding", [True, False])
-def test_is_causal_without_mask_equals_torch_with_causal_mask(need_weights: bool, with_padding: bool) -> None:
+def test_is_causal_without_mask_equals_torch_with_causal_mask(
+    need_weights: bool, with_padding: bool
+) -> None:
     generator = torch.Generator().manual_seed(1)
     theirs = torch.nn.MultiheadAttention(8, 4, batch_first=True, dtype=torch.float64).eval()
     perturb(theirs, generator)
     ours = MultiHeadAttention(8, 4, dtype=torch.float64).eval()
     ours.load_state_dict(theirs.state_dict())
     x = torch.randn(2, 5, 8, generator=generator, dtype=torch.float64)
-    causal = torch.ones(5, 5, dtype=torch.bool).triu(diagonal=1)  # True above the diagonal: not allowed
+    causal = torch.ones(5, 5, dtype=torch.bool).triu(
+        diagonal=1
+    )  # True above the diagonal: not allowed
     padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2]) if with_padding else None
-    got = ours(x, x, x, key_padding_mask=padding, need_weights=need_weights, is_causal=True)
-    expected = theirs(x, x, x, key_padding_mask=padding, need_weights=need_weights, attn_mask=causal, is_causal=True)
+    got = ours(
+        x,
+        x,
+        x,
+        key_padding_mask=padding,
+        need_weights=need_weights,
+        is_causal=True,
+    )
+    expected = theirs(
+        x,
+        x,
+        x,
+        key_padding_mask=padding,
+        need_weights=need_weights,
+        attn_mask=causal,
+        is_causal=True,
+    )
     assert_same(got, expected, torch.float64, "is_causal without attn_mask")
 
 
 def test_same_initialisation_as_torch() -> None:
     """Same seed, same arguments: torch's module and ours start from identical parameters."""
-    for kwargs in ({}, {"bias": False}, {"kdim": 3, "vdim": 5}, {"kdim": 3, "bias": False}):
+    for kwargs in (
+        {},
+        {"bias": False},
+        {"kdim": 3, "vdim": 5},
+        {"kdim": 3, "bias": False},
+    ):
         torch.manual_seed(123)
         theirs = torch.nn.MultiheadAttention(8, 2, batch_first=True, **kwargs)
         torch.manual_seed(123)

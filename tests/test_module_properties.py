@@ -11,8 +11,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from mha.module import MultiHeadAttention
+
+from helpers import randn
 
 DTYPE = torch.float64
 
@@ -30,10 +31,6 @@ def module_with_biases(*args, seed: int = 0, **kwargs) -> MultiHeadAttention:
     return module
 
 
-def randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
-
-
 @pytest.mark.parametrize("need_weights", [True, False])
 def test_permutation_equivariance(need_weights: bool) -> None:
     """Unmasked self-attention has no notion of order: permuting tokens permutes the outputs."""
@@ -42,11 +39,22 @@ def test_permutation_equivariance(need_weights: bool) -> None:
     perm = torch.tensor([4, 0, 5, 2, 1, 3])
     output, weights = module(x, x, x, need_weights=need_weights, average_attn_weights=False)
     x_perm = x[:, perm]
-    output_perm, weights_perm = module(x_perm, x_perm, x_perm, need_weights=need_weights, average_attn_weights=False)
+    output_perm, weights_perm = module(
+        x_perm,
+        x_perm,
+        x_perm,
+        need_weights=need_weights,
+        average_attn_weights=False,
+    )
     torch.testing.assert_close(output_perm, output[:, perm], atol=1e-12, rtol=1e-12)
     assert not torch.allclose(output_perm, output, atol=1e-3)  # the permutation did move things
     if need_weights:
-        torch.testing.assert_close(weights_perm, weights[:, :, perm][:, :, :, perm], atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(
+            weights_perm,
+            weights[:, :, perm][:, :, :, perm],
+            atol=1e-12,
+            rtol=1e-12,
+        )
 
 
 @pytest.mark.parametrize("need_weights", [True, False])
@@ -70,13 +78,19 @@ def test_causality(need_weights: bool, how: str) -> None:
         kwargs["key_padding_mask"] = torch.tensor([[False] * T, [False] * 5 + [True] * 2])
     output, _ = module(x, x, x, **kwargs)
     output_changed, _ = module(x_changed, x_changed, x_changed, **kwargs)
-    torch.testing.assert_close(output_changed[:, : t + 1], output[:, : t + 1], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(
+        output_changed[:, : t + 1], output[:, : t + 1], atol=1e-12, rtol=1e-12
+    )
     assert not torch.allclose(output_changed[:, t + 1 :], output[:, t + 1 :], atol=1e-3)
     unmasked, _ = module(x_changed, x_changed, x_changed)
-    assert not torch.allclose(unmasked[:, : t + 1], output[:, : t + 1], atol=1e-3)  # without the mask it leaks
+    assert not torch.allclose(
+        unmasked[:, : t + 1], output[:, : t + 1], atol=1e-3
+    )  # without the mask it leaks
 
 
-def random_masks(b: int, h: int, t_q: int, t_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def random_masks(
+    b: int, h: int, t_q: int, t_k: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A per-head attn_mask (B*H, T_q, T_k), a key_padding_mask (B, T_k), both True = not allowed,
     and which query rows keep at least one allowed key, (B, H, T_q), computed here directly."""
     g = torch.Generator().manual_seed(seed)
@@ -88,7 +102,9 @@ def random_masks(b: int, h: int, t_q: int, t_k: int, seed: int) -> tuple[torch.T
 
 
 @pytest.mark.parametrize("as_float", [False, True])
-def test_weights_sum_to_one_on_rows_with_an_allowed_key(as_float: bool) -> None:
+def test_weights_sum_to_one_on_rows_with_an_allowed_key(
+    as_float: bool,
+) -> None:
     b, h, t_q, t_k = 4, 2, 5, 6
     module = module_with_biases(8, h, kdim=3, vdim=5)
     blocked, key_padding_mask, row_has_key = random_masks(b, h, t_q, t_k, seed=3)
@@ -96,13 +112,23 @@ def test_weights_sum_to_one_on_rows_with_an_allowed_key(as_float: bool) -> None:
     attn_mask = blocked
     if as_float:
         attn_mask = torch.randn(blocked.shape, dtype=DTYPE).masked_fill(blocked, -math.inf)
-        key_padding_mask = torch.zeros(key_padding_mask.shape, dtype=DTYPE).masked_fill(key_padding_mask, -math.inf)
-    _, weights = module(randn(b, t_q, 8), randn(b, t_k, 3, seed=1), randn(b, t_k, 5, seed=2),
-                        key_padding_mask=key_padding_mask, attn_mask=attn_mask, average_attn_weights=False)
+        key_padding_mask = torch.zeros(key_padding_mask.shape, dtype=DTYPE).masked_fill(
+            key_padding_mask, -math.inf
+        )
+    _, weights = module(
+        randn(b, t_q, 8),
+        randn(b, t_k, 3, seed=1),
+        randn(b, t_k, 5, seed=2),
+        key_padding_mask=key_padding_mask,
+        attn_mask=attn_mask,
+        average_attn_weights=False,
+    )
     assert weights.shape == (b, h, t_q, t_k)
     assert (weights >= 0).all()
     torch.testing.assert_close(weights.sum(dim=-1), row_has_key.to(DTYPE), atol=1e-12, rtol=0)
-    assert (weights[blocked.view(b, h, t_q, t_k)] == 0).all()  # blocked keys get exactly zero weight
+    assert (
+        weights[blocked.view(b, h, t_q, t_k)] == 0
+    ).all()  # blocked keys get exactly zero weight
 
 
 @pytest.mark.parametrize("need_weights", [True, False])
@@ -117,11 +143,20 @@ def test_fully_masked_rows_give_zero_never_nan(need_weights: bool, bias: bool) -
     assert empty.any()
     query = randn(b, t_q, 8).requires_grad_()
     key = randn(b, t_k, 8, seed=1).requires_grad_()
-    output, weights = module(query, key, key, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-                             need_weights=need_weights, average_attn_weights=False)
+    output, weights = module(
+        query,
+        key,
+        key,
+        key_padding_mask=key_padding_mask,
+        attn_mask=attn_mask,
+        need_weights=need_weights,
+        average_attn_weights=False,
+    )
     assert not output.isnan().any()
     expected_row = module.out_proj.bias if bias else torch.zeros(8, dtype=DTYPE)
-    torch.testing.assert_close(output[empty], expected_row.expand(int(empty.sum()), 8), atol=0, rtol=0)
+    torch.testing.assert_close(
+        output[empty], expected_row.expand(int(empty.sum()), 8), atol=0, rtol=0
+    )
     if need_weights:
         assert (weights[~row_has_key] == 0).all() and not weights.isnan().any()
 
@@ -130,7 +165,11 @@ def test_fully_masked_rows_give_zero_never_nan(need_weights: bool, bias: bool) -
     assert torch.count_nonzero(query.grad) == 0 and torch.count_nonzero(key.grad) == 0
     query.grad, key.grad = None, None
     output.square().sum().backward()
-    for tensor in (query.grad, key.grad, *(p.grad for p in module.parameters())):
+    for tensor in (
+        query.grad,
+        key.grad,
+        *(p.grad for p in module.parameters()),
+    ):
         assert torch.isfinite(tensor).all()
     assert torch.count_nonzero(query.grad) > 0
 
@@ -148,7 +187,9 @@ def test_torch_gives_nan_on_fully_masked_rows() -> None:
     assert their_output[:, 1].isnan().all() and their_weights[:, 1].isnan().all()
     our_output, our_weights = ours(x, x, x, attn_mask=attn_mask)
     assert (our_weights[:, 1] == 0).all() and not our_output.isnan().any()
-    torch.testing.assert_close(our_output[:, [0, 2, 3]], their_output[:, [0, 2, 3]])  # other rows agree
+    torch.testing.assert_close(
+        our_output[:, [0, 2, 3]], their_output[:, [0, 2, 3]]
+    )  # other rows agree
 
 
 GRADCHECK_CASES = {
@@ -156,7 +197,9 @@ GRADCHECK_CASES = {
     "bool attn_mask 2-D, need_weights=False": dict(attn_mask="bool2d", need_weights=False),
     "float attn_mask 3-D + bool padding": dict(attn_mask="float3d", key_padding_mask="bool"),
     "fully masked rows": dict(attn_mask="bool3d", key_padding_mask="bool", empty_rows=True),
-    "fully masked rows, need_weights=False": dict(attn_mask="bool3d", empty_rows=True, need_weights=False),
+    "fully masked rows, need_weights=False": dict(
+        attn_mask="bool3d", empty_rows=True, need_weights=False
+    ),
     "cross-attention kdim/vdim, is_causal": dict(cross=True, is_causal=True),
     "head_mask, per-head weights": dict(head_mask=True, average_attn_weights=False),
     "unbatched, float padding": dict(batch=None, key_padding_mask="float"),
@@ -180,8 +223,11 @@ def test_gradcheck(case: str) -> None:
     blocked = torch.rand(bb * h, t_q, t_k, generator=g) < 0.4
     if options.get("empty_rows"):
         blocked[0, 1] = True  # batch 0, head 0, query 1: no allowed key
-    kwargs = dict(need_weights=options.get("need_weights", True), is_causal=options.get("is_causal", False),
-                  average_attn_weights=options.get("average_attn_weights", True))
+    kwargs = dict(
+        need_weights=options.get("need_weights", True),
+        is_causal=options.get("is_causal", False),
+        average_attn_weights=options.get("average_attn_weights", True),
+    )
     kind = options.get("attn_mask")
     if kind is not None:
         mask = blocked if kind.endswith("3d") else blocked[0]
@@ -193,13 +239,20 @@ def test_gradcheck(case: str) -> None:
         padding = torch.zeros(bb, t_k, dtype=torch.bool)
         padding[-1, -1] = True
         if kind == "float":
-            padding = torch.randn(bb, t_k, generator=g, dtype=DTYPE).masked_fill(padding, -math.inf)
+            padding = torch.randn(bb, t_k, generator=g, dtype=DTYPE).masked_fill(
+                padding, -math.inf
+            )
         kwargs["key_padding_mask"] = padding if b is not None else padding[0]
     if options.get("head_mask"):
         kwargs["head_mask"] = torch.tensor([[1.0, 0.0], [0.5, 1.0]], dtype=DTYPE)
     names = [name for name, _ in module.named_parameters()]
 
-    def f(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *parameters: torch.Tensor):
+    def f(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *parameters: torch.Tensor,
+    ):
         state = dict(zip(names, parameters))
         output, weights = torch.func.functional_call(module, state, (query, key, value), kwargs)
         return output if weights is None else (output, weights)
@@ -220,8 +273,18 @@ def test_dropout_only_in_train_mode(need_weights: bool) -> None:
     second, _ = module(x, x, x, need_weights=need_weights)
     assert not torch.allclose(first, second)  # a fresh dropout mask on each call
     module.eval()
-    torch.testing.assert_close(module(x, x, x, need_weights=need_weights)[0], no_dropout(x, x, x)[0], atol=1e-12, rtol=0)
-    torch.testing.assert_close(module(x, x, x, need_weights=need_weights)[0], module(x, x, x)[0], atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        module(x, x, x, need_weights=need_weights)[0],
+        no_dropout(x, x, x)[0],
+        atol=1e-12,
+        rtol=0,
+    )
+    torch.testing.assert_close(
+        module(x, x, x, need_weights=need_weights)[0],
+        module(x, x, x)[0],
+        atol=1e-12,
+        rtol=0,
+    )
 
 
 def test_dropout_weights_are_returned_after_dropout() -> None:
@@ -251,7 +314,9 @@ def test_dropout_keeps_the_expectation(need_weights: bool) -> None:
     mean, std = samples.mean(dim=0), samples.std(dim=0)
     assert (std > 0).all()
     assert ((mean - expected).abs() <= 6 * std / math.sqrt(n)).all()
-    assert ((samples - expected).abs().amax(dim=0) > 10 * std / math.sqrt(n)).all()  # single draws are far off
+    assert (
+        (samples - expected).abs().amax(dim=0) > 10 * std / math.sqrt(n)
+    ).all()  # single draws are far off
 
 
 def per_head_outputs(module: MultiHeadAttention, x: torch.Tensor) -> list[torch.Tensor]:
@@ -288,9 +353,17 @@ def test_head_mask_removes_a_head(need_weights: bool) -> None:
             torch.testing.assert_close(output, expected, atol=1e-12, rtol=1e-12)
 
         all_heads = torch.cat(heads, dim=-1) @ w_o.T + b_o
-        output, _ = module(x, x, x, need_weights=need_weights, head_mask=torch.ones(h, dtype=DTYPE))
+        output, _ = module(
+            x,
+            x,
+            x,
+            need_weights=need_weights,
+            head_mask=torch.ones(h, dtype=DTYPE),
+        )
         torch.testing.assert_close(output, all_heads, atol=1e-12, rtol=1e-12)
-        assert torch.equal(output, module(x, x, x, need_weights=need_weights)[0])  # all ones: nothing changes
+        assert torch.equal(
+            output, module(x, x, x, need_weights=need_weights)[0]
+        )  # all ones: nothing changes
 
         # (B, H): a different head removed in each sequence of the batch.
         per_sequence = torch.tensor([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]], dtype=DTYPE)
@@ -298,18 +371,31 @@ def test_head_mask_removes_a_head(need_weights: bool) -> None:
         for s, removed in ((0, 1), (1, 3)):
             single = torch.ones(h, dtype=DTYPE)
             single[removed] = 0.0
-            torch.testing.assert_close(output[s], module(x[s], x[s], x[s], head_mask=single)[0], atol=1e-12, rtol=1e-12)
+            torch.testing.assert_close(
+                output[s],
+                module(x[s], x[s], x[s], head_mask=single)[0],
+                atol=1e-12,
+                rtol=1e-12,
+            )
 
 
 def test_head_mask_leaves_weights_alone() -> None:
     module = module_with_biases(8, 2)
     x = randn(2, 5, 8)
     _, weights = module(x, x, x, average_attn_weights=False)
-    _, masked_weights = module(x, x, x, average_attn_weights=False, head_mask=torch.tensor([0.0, 1.0], dtype=DTYPE))
+    _, masked_weights = module(
+        x,
+        x,
+        x,
+        average_attn_weights=False,
+        head_mask=torch.tensor([0.0, 1.0], dtype=DTYPE),
+    )
     assert torch.equal(weights, masked_weights)
 
 
-def test_need_weights_false_runs_through_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_need_weights_false_runs_through_sdpa(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The fast path calls F.scaled_dot_product_attention; the explicit path does not."""
     calls = []
     sdpa = F.scaled_dot_product_attention
@@ -345,7 +431,13 @@ def test_unbatched_equals_batch_of_one(need_weights: bool) -> None:
     q, k, v = randn(4, 8), randn(6, 3, seed=1), randn(6, 5, seed=2)
     padding = torch.tensor([False, True, False, False, True, False])
     output, weights = module(q, k, v, key_padding_mask=padding, need_weights=need_weights)
-    batched, batched_weights = module(q[None], k[None], v[None], key_padding_mask=padding[None], need_weights=need_weights)
+    batched, batched_weights = module(
+        q[None],
+        k[None],
+        v[None],
+        key_padding_mask=padding[None],
+        need_weights=need_weights,
+    )
     assert output.shape == (4, 8)
     torch.testing.assert_close(output, batched[0], atol=1e-12, rtol=0)
     if need_weights:

@@ -8,15 +8,19 @@ query row zero weights and zero output; so must the module, and these tests incl
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
+from mha import functional
 from mha.module import MultiHeadAttention
-from mha.reference import causal_mask, multi_head_attention, multi_head_cross_attention, padding_mask
+from mha.reference import (
+    causal_mask,
+    multi_head_attention,
+    multi_head_cross_attention,
+    padding_mask,
+)
 
 TOL = 1e-10  # float64 throughout
 
@@ -26,11 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def reference_weights(module: MultiHeadAttention) -> tuple[np.ndarray, ...]:
     """The module's projections as the reference's (d_in, d_out) matrices: w_q, w_k, w_v, w_o."""
-    if module.in_proj_weight is not None:
-        w_q, w_k, w_v = module.in_proj_weight.detach().chunk(3)
-    else:
-        w_q, w_k, w_v = module.q_proj_weight.detach(), module.k_proj_weight.detach(), module.v_proj_weight.detach()
-    return tuple(w.T.numpy() for w in (w_q, w_k, w_v, module.out_proj.weight.detach()))
+    return functional.reference_weights(module)[:4]
 
 
 @st.composite
@@ -42,7 +42,9 @@ def cases(draw: st.DrawFn) -> dict:
         num_heads=num_heads,
         embed_dim=num_heads * draw(st.sampled_from([1, 3])),
         cross=cross,
-        kv_dim=draw(st.sampled_from([None, 5])) if cross else None,  # None: kdim = vdim = embed_dim
+        kv_dim=draw(st.sampled_from([None, 5]))
+        if cross
+        else None,  # None: kdim = vdim = embed_dim
         batch=draw(st.sampled_from([None, 1, 3])),
         t_q=t_q,
         t_k=draw(st.integers(1, 5)) if cross else t_q,
@@ -57,11 +59,23 @@ def cases(draw: st.DrawFn) -> dict:
 def test_parity_with_numpy_reference(case: dict) -> None:
     rng = np.random.default_rng(case["seed"])
     torch.manual_seed(case["seed"] % 2**31)
-    e, h, t_q, t_k = case["embed_dim"], case["num_heads"], case["t_q"], case["t_k"]
+    e, h, t_q, t_k = (
+        case["embed_dim"],
+        case["num_heads"],
+        case["t_q"],
+        case["t_k"],
+    )
     kv_dim = case["kv_dim"] or e
     b = case["batch"]
     lead = () if b is None else (b,)
-    module = MultiHeadAttention(e, h, bias=False, kdim=case["kv_dim"], vdim=case["kv_dim"], dtype=torch.float64).eval()
+    module = MultiHeadAttention(
+        e,
+        h,
+        bias=False,
+        kdim=case["kv_dim"],
+        vdim=case["kv_dim"],
+        dtype=torch.float64,
+    ).eval()
 
     x_q = rng.normal(size=(*lead, t_q, e))
     x_kv = rng.normal(size=(*lead, t_k, kv_dim)) if case["cross"] else x_q
@@ -73,7 +87,9 @@ def test_parity_with_numpy_reference(case: dict) -> None:
         allowed = causal_mask(t_q, t_k)  # (T_q, T_k)
         ref_mask, attn_mask = allowed, torch.from_numpy(~allowed)
     if "padding" in (case["mask"] or ""):
-        lengths = rng.integers(0, t_k + 1, size=b or 1)  # length 0: every key padded, fully masked rows
+        lengths = rng.integers(
+            0, t_k + 1, size=b or 1
+        )  # length 0: every key padded, fully masked rows
         keep = padding_mask(lengths, t_k)  # (B, T_k)
         padded = keep[:, None, None, :]  # (B, 1, 1, T_k)
         if b is None:
@@ -87,7 +103,9 @@ def test_parity_with_numpy_reference(case: dict) -> None:
 
     w_q, w_k, w_v, w_o = reference_weights(module)
     if case["cross"]:
-        expected, expected_weights = multi_head_cross_attention(x_q, x_kv, w_q, w_k, w_v, w_o, h, ref_mask)
+        expected, expected_weights = multi_head_cross_attention(
+            x_q, x_kv, w_q, w_k, w_v, w_o, h, ref_mask
+        )
     else:
         expected, expected_weights = multi_head_attention(x_q, w_q, w_k, w_v, w_o, h, ref_mask)
 
@@ -95,8 +113,13 @@ def test_parity_with_numpy_reference(case: dict) -> None:
     key = value = torch.from_numpy(x_kv) if case["cross"] else query
     with torch.no_grad():
         output, weights = module(
-            query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-            need_weights=case["need_weights"], average_attn_weights=False,
+            query,
+            key,
+            value,
+            key_padding_mask=key_padding_mask,
+            attn_mask=attn_mask,
+            need_weights=case["need_weights"],
+            average_attn_weights=False,
         )
     np.testing.assert_allclose(output.numpy(), expected, atol=TOL, rtol=TOL)
     if case["need_weights"]:
@@ -112,12 +135,21 @@ def test_reference_parity_covers_fully_masked_rows() -> None:
     module = MultiHeadAttention(6, 2, bias=False, dtype=torch.float64)
     x = rng.normal(size=(2, 4, 6))
     keep = padding_mask(np.array([3, 0]), 4)  # (2, 4)
-    expected, expected_weights = multi_head_attention(x, *reference_weights(module), 2, keep[:, None, None, :])
+    expected, expected_weights = multi_head_attention(
+        x, *reference_weights(module), 2, keep[:, None, None, :]
+    )
     assert np.all(expected[1] == 0.0) and np.all(expected_weights[1] == 0.0)
     for need_weights in (True, False):
-        output, weights = module(torch.from_numpy(x), torch.from_numpy(x), torch.from_numpy(x),
-                                 key_padding_mask=torch.from_numpy(~keep), need_weights=need_weights,
-                                 average_attn_weights=False)
+        output, weights = module(
+            torch.from_numpy(x),
+            torch.from_numpy(x),
+            torch.from_numpy(x),
+            key_padding_mask=torch.from_numpy(~keep),
+            need_weights=need_weights,
+            average_attn_weights=False,
+        )
         np.testing.assert_allclose(output.detach().numpy(), expected, atol=TOL, rtol=TOL)
         if need_weights:
-            np.testing.assert_allclose(weights.detach().numpy(), expected_weights, atol=TOL, rtol=TOL)
+            np.testing.assert_allclose(
+                weights.detach().numpy(), expected_weights, atol=TOL, rtol=TOL
+            )

@@ -10,7 +10,6 @@ import math
 
 import numpy as np
 import pytest
-
 from mha.reference import (
     causal_mask,
     merge_heads,
@@ -42,7 +41,9 @@ def naive_attention_row(q_row, keys, values, allowed):
     exps = [0.0 if s is None else math.exp(s - top) for s in scores]
     total = sum(exps)
     weights = [e / total for e in exps]
-    out = [sum(w * float(values[j][c]) for j, w in enumerate(weights)) for c in range(len(values[0]))]
+    out = [
+        sum(w * float(values[j][c]) for j, w in enumerate(weights)) for c in range(len(values[0]))
+    ]
     return out, weights
 
 
@@ -63,7 +64,12 @@ def naive_mha(x_q, x_kv, w_q, w_k, w_v, w_o, num_heads, keep=None):
             cols = slice(h * d_k, (h + 1) * d_k)
             for i in range(t_q):
                 allowed = [True] * t_k if keep is None else list(keep[b, h, i])
-                o, w = naive_attention_row(q_all[b, i, cols], k_all[b, :, cols], v_all[b, :, cols], allowed)
+                o, w = naive_attention_row(
+                    q_all[b, i, cols],
+                    k_all[b, :, cols],
+                    v_all[b, :, cols],
+                    allowed,
+                )
                 concat[i, cols] = o
                 weights[b, h, i] = w
         out[b] = concat @ w_o
@@ -170,7 +176,11 @@ def test_sdpa_matches_naive_with_batch_broadcast_and_mask():
 
 def test_sdpa_fully_masked_row_gives_zeros_not_nan():
     rng = np.random.default_rng(3)
-    q, k, v = rng.normal(size=(3, 4)), rng.normal(size=(5, 4)), rng.normal(size=(5, 2))
+    q, k, v = (
+        rng.normal(size=(3, 4)),
+        rng.normal(size=(5, 4)),
+        rng.normal(size=(5, 2)),
+    )
     keep = np.ones((3, 5), dtype=bool)
     keep[1] = False
     out, weights = scaled_dot_product_attention(q, k, v, keep)
@@ -182,7 +192,11 @@ def test_sdpa_fully_masked_row_gives_zeros_not_nan():
 
 def test_sdpa_masked_keys_get_exactly_zero_weight():
     rng = np.random.default_rng(4)
-    q, k, v = rng.normal(size=(4, 3)), rng.normal(size=(4, 3)), rng.normal(size=(4, 3))
+    q, k, v = (
+        rng.normal(size=(4, 3)),
+        rng.normal(size=(4, 3)),
+        rng.normal(size=(4, 3)),
+    )
     keep = causal_mask(4)
     _, weights = scaled_dot_product_attention(q, k, v, keep)
     np.testing.assert_array_equal(weights[~keep], 0.0)
@@ -195,7 +209,10 @@ def test_sdpa_errors_name_the_argument():
         scaled_dot_product_attention(q, np.ones((5, 3)), v)
     with pytest.raises(ValueError, match=r"k and v must have the same number of positions"):
         scaled_dot_product_attention(q, k, np.ones((6, 2)))
-    with pytest.raises(ValueError, match=r"mask must broadcast to the scores' shape \(3, 5\).*got shape \(3, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"mask must broadcast to the scores' shape \(3, 5\).*got shape \(3, 4\)",
+    ):
         scaled_dot_product_attention(q, k, v, np.ones((3, 4), dtype=bool))
     with pytest.raises(TypeError, match="mask must be a boolean array"):
         scaled_dot_product_attention(q, k, v, np.ones((3, 5)))
@@ -247,10 +264,19 @@ def test_loop_equals_fused_equals_naive(batch, t, d_model, heads):
     w_q, w_k, w_v, w_o = random_weights(rng, d_model, d_model)
     fused_out, fused_w = multi_head_attention(x, w_q, w_k, w_v, w_o, heads)
     loop_out, loop_w = multi_head_attention_loop(
-        x, head_slices(w_q, heads), head_slices(w_k, heads), head_slices(w_v, heads), w_o
+        x,
+        head_slices(w_q, heads),
+        head_slices(w_k, heads),
+        head_slices(w_v, heads),
+        w_o,
     )
     naive_out, naive_w = naive_mha(x, x, w_q, w_k, w_v, w_o, heads)
-    assert fused_out.shape == (batch, t, d_model) and fused_w.shape == (batch, heads, t, t)
+    assert fused_out.shape == (batch, t, d_model) and fused_w.shape == (
+        batch,
+        heads,
+        t,
+        t,
+    )
     np.testing.assert_allclose(fused_out, loop_out, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(fused_w, loop_w, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(fused_out, naive_out, rtol=1e-10, atol=1e-12)
@@ -270,7 +296,10 @@ def test_unbatched_input_equals_batch_of_one():
 
 def test_cross_attention_matches_naive_with_padding_mask():
     rng = np.random.default_rng(6)
-    x_q, x_kv = rng.normal(size=(2, 3, 8)), rng.normal(size=(2, 5, 6))  # T_q=3, T_k=5, D_kv=6
+    x_q, x_kv = (
+        rng.normal(size=(2, 3, 8)),
+        rng.normal(size=(2, 5, 6)),
+    )  # T_q=3, T_k=5, D_kv=6
     w_q, w_k, w_v, w_o = random_weights(rng, 8, 8, d_kv=6)
     valid = padding_mask(np.array([5, 2]), 5)  # (B, T_k)
     mask = valid[:, None, None, :]  # (B, 1, 1, T_k): same keys hidden from every head and query
@@ -302,7 +331,14 @@ def test_per_head_mask_in_loop_and_fused_agree():
     keep = rng.random((2, 2, 4, 4)) > 0.3  # (B, H, T, T), a different mask per head
     keep[:, :, 1, :] = False  # query 1 sees nothing, in every head
     fused = multi_head_attention(x, w_q, w_k, w_v, w_o, 2, keep)
-    loop = multi_head_attention_loop(x, head_slices(w_q, 2), head_slices(w_k, 2), head_slices(w_v, 2), w_o, keep)
+    loop = multi_head_attention_loop(
+        x,
+        head_slices(w_q, 2),
+        head_slices(w_k, 2),
+        head_slices(w_v, 2),
+        w_o,
+        keep,
+    )
     naive = naive_mha(x, x, w_q, w_k, w_v, w_o, 2, keep)
     for got in (fused, loop):
         np.testing.assert_allclose(got[0], naive[0], rtol=1e-10, atol=1e-12)
@@ -314,25 +350,50 @@ def test_per_head_mask_in_loop_and_fused_agree():
 def test_mha_errors_name_the_argument():
     x = np.ones((2, 5, 6))
     w = [np.ones((6, 6))] * 4
-    with pytest.raises(ValueError, match=r"d_model .*\(6\) must be divisible by num_heads \(4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"d_model .*\(6\) must be divisible by num_heads \(4\)",
+    ):
         multi_head_attention(x, *w, num_heads=4)
-    with pytest.raises(ValueError, match=r"x must have shape \(T, d\) or \(B, T, d\).*got shape \(1, 2, 5, 6\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"x must have shape \(T, d\) or \(B, T, d\).*got shape \(1, 2, 5, 6\)",
+    ):
         multi_head_attention(x[None], *w, num_heads=2)
-    with pytest.raises(ValueError, match=r"w_q must have shape \(5, d_model\), got shape \(6, 6\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"w_q must have shape \(5, d_model\), got shape \(6, 6\)",
+    ):
         multi_head_attention(np.ones((2, 5, 5)), *w, num_heads=2)
-    with pytest.raises(ValueError, match=r"w_o must have shape \(6, D_out\), got shape \(4, 6\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"w_o must have shape \(6, D_out\), got shape \(4, 6\)",
+    ):
         multi_head_attention(x, w[0], w[1], w[2], np.ones((4, 6)), num_heads=2)
     with pytest.raises(ValueError, match="mask must broadcast"):
         multi_head_attention(x, *w, num_heads=2, mask=np.ones((3, 3), dtype=bool))
-    with pytest.raises(ValueError, match="x_q and x_kv must both be batched with the same batch size"):
+    with pytest.raises(
+        ValueError,
+        match="x_q and x_kv must both be batched with the same batch size",
+    ):
         multi_head_cross_attention(np.ones((2, 3, 6)), np.ones((3, 3, 6)), *w, num_heads=2)
-    with pytest.raises(ValueError, match="num_heads must be at least 1"):
+    with pytest.raises(ValueError, match="num_heads must be a positive int, got 0"):
         multi_head_attention(x, *w, num_heads=0)
     with pytest.raises(ValueError, match="same length"):
-        multi_head_attention_loop(x, [np.ones((6, 3))] * 2, [np.ones((6, 3))], [np.ones((6, 3))] * 2, w[3])
+        multi_head_attention_loop(
+            x,
+            [np.ones((6, 3))] * 2,
+            [np.ones((6, 3))],
+            [np.ones((6, 3))] * 2,
+            w[3],
+        )
     with pytest.raises(ValueError, match=r"mask's head axis"):
         multi_head_attention_loop(
-            x, [np.ones((6, 3))] * 2, [np.ones((6, 3))] * 2, [np.ones((6, 3))] * 2, w[3],
+            x,
+            [np.ones((6, 3))] * 2,
+            [np.ones((6, 3))] * 2,
+            [np.ones((6, 3))] * 2,
+            w[3],
             mask=np.ones((2, 3, 5, 5), dtype=bool),
         )
 
@@ -342,7 +403,8 @@ def test_mha_errors_name_the_argument():
 
 def test_causal_mask_by_hand():
     np.testing.assert_array_equal(
-        causal_mask(3), [[True, False, False], [True, True, False], [True, True, True]]
+        causal_mask(3),
+        [[True, False, False], [True, True, False], [True, True, True]],
     )
     np.testing.assert_array_equal(causal_mask(2, 3), [[True, False, False], [True, True, False]])
     with pytest.raises(ValueError, match="t_q must be a positive int"):
@@ -356,5 +418,7 @@ def test_padding_mask_by_hand():
     )
     with pytest.raises(ValueError, match=r"lengths must lie in \[0, max_len=3\]"):
         padding_mask(np.array([4]), 3)
-    with pytest.raises(ValueError, match="lengths must be a 1-D array of ints"):
+    with pytest.raises(TypeError, match="lengths must be an array of ints, got dtype float64"):
         padding_mask(np.array([1.5]), 3)
+    with pytest.raises(ValueError, match="lengths must be a 1-D array of ints"):
+        padding_mask(np.array([[1]]), 3)

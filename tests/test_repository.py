@@ -17,7 +17,11 @@ def _pins(lines):
 
 
 def test_requirements_are_exact_pins():
-    lines = [l for l in (ROOT / "requirements.txt").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    lines = [
+        l
+        for l in (ROOT / "requirements.txt").read_text().splitlines()
+        if l.strip() and not l.startswith("#")
+    ]
     loose = [l for l in lines if "==" not in l]
     assert not loose, f"requirements.txt must pin exact versions, found: {loose}"
     assert "torch==2.13.0" in lines
@@ -38,7 +42,11 @@ def test_notebooks_stored_from_one_fresh_run():
     problems = []
     for path in NOTEBOOKS:
         nb = json.loads(path.read_text())
-        counts = [c.get("execution_count") for c in nb["cells"] if c["cell_type"] == "code" and "".join(c["source"]).strip()]
+        counts = [
+            c.get("execution_count")
+            for c in nb["cells"]
+            if c["cell_type"] == "code" and "".join(c["source"]).strip()
+        ]
         if counts != list(range(1, len(counts) + 1)):
             problems.append(f"{path.name}: execution counts {counts}")
         for i, cell in enumerate(nb["cells"]):
@@ -52,7 +60,16 @@ def test_notebooks_stored_from_one_fresh_run():
 
 def test_only_device_dependent_cells_ignore_their_output():
     # NBVAL_IGNORE_OUTPUT is allowed only where the output depends on the machine (timings, devices).
-    allowed_words = ("time", "perf_counter", "bench", "device", "cuda", "backend", "sdpa_kernel", "timeit")
+    allowed_words = (
+        "time",
+        "perf_counter",
+        "bench",
+        "device",
+        "cuda",
+        "backend",
+        "sdpa_kernel",
+        "timeit",
+    )
     offenders = []
     for path in NOTEBOOKS:
         nb = json.loads(path.read_text())
@@ -61,9 +78,13 @@ def test_only_device_dependent_cells_ignore_their_output():
             if cell["cell_type"] == "code" and "NBVAL_IGNORE_OUTPUT" in source:
                 if not any(word in source for word in allowed_words):
                     offenders.append(f"{path.name}: cell {i}")
-            if cell["cell_type"] == "code" and ("NBVAL_SKIP" in source or "NBVAL_RAISES_EXCEPTION" in source):
+            if cell["cell_type"] == "code" and (
+                "NBVAL_SKIP" in source or "NBVAL_RAISES_EXCEPTION" in source
+            ):
                 offenders.append(f"{path.name}: cell {i} skips or expects an exception")
-    assert not offenders, "cells that ignore output without measuring time or devices:\n" + "\n".join(offenders)
+    assert not offenders, (
+        "cells that ignore output without measuring time or devices:\n" + "\n".join(offenders)
+    )
 
 
 def test_glued_values_are_plain_python_types():
@@ -76,6 +97,8 @@ def test_glued_values_are_plain_python_types():
             for out in cell.get("outputs", []):
                 for mime, value in out.get("data", {}).items():
                     text = "".join(value) if isinstance(value, list) else str(value)
-                    if mime.startswith("application/papermill.record") and re.match(r"^np\.\w+\(", text):
+                    if mime.startswith("application/papermill.record") and re.match(
+                        r"^np\.\w+\(", text
+                    ):
                         offenders.append(f"{path.name}: cell {i} glues {text}")
     assert not offenders, "glue plain Python values (float(x), int(x)):\n" + "\n".join(offenders)

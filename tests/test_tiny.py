@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-
 from mha.module import MultiHeadAttention
 from mha.tiny import (
     TinyTransformer,
@@ -26,7 +25,9 @@ def _data(n: int = 32, seed: int = 0, **kwargs):
     return make_induction_data(n, generator=torch.Generator().manual_seed(seed), **kwargs)
 
 
-def _model(num_heads: int = 4, seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyTransformer:
+def _model(
+    num_heads: int = 4, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> TinyTransformer:
     torch.manual_seed(seed)
     return TinyTransformer(V, T, d_model=16, num_heads=num_heads, d_mlp=32).to(dtype).eval()
 
@@ -73,7 +74,9 @@ def test_targets_and_predictable_positions_follow_the_induction_rule() -> None:
 def test_positions_are_spread_so_no_fixed_offset_solves_the_task() -> None:
     data = _data(2000, seed=3)
     offsets = (data.copy_start - data.source_start).unique()
-    assert offsets.min().item() == S and offsets.max().item() == T - S  # every offset from S to T - S occurs
+    assert (
+        offsets.min().item() == S and offsets.max().item() == T - S
+    )  # every offset from S to T - S occurs
     assert len(offsets) == T - 2 * S + 1
 
 
@@ -85,7 +88,11 @@ def test_data_is_reproducible_with_a_seed() -> None:
 
 @pytest.mark.parametrize(
     "kwargs, word",
-    [({"segment_len": 1}, "segment_len"), ({"seq_len": 10}, "seq_len"), ({"vocab_size": 5}, "vocab_size")],
+    [
+        ({"segment_len": 1}, "segment_len"),
+        ({"seq_len": 10}, "seq_len"),
+        ({"vocab_size": 5}, "vocab_size"),
+    ],
 )
 def test_bad_data_arguments_raise(kwargs: dict, word: str) -> None:
     with pytest.raises(ValueError, match=word):
@@ -139,14 +146,21 @@ def test_head_mask_of_ones_is_no_mask() -> None:
 
 
 @pytest.mark.parametrize("layer", [0, 1])
-def test_switching_off_a_whole_layer_equals_zeroing_its_output_projection(layer: int) -> None:
+def test_switching_off_a_whole_layer_equals_zeroing_its_output_projection(
+    layer: int,
+) -> None:
     model = _model()
     tokens = _data(6).tokens
     silenced = copy.deepcopy(model)
     with torch.no_grad():
-        silenced.attns[layer].out_proj.weight.zero_()  # the layer now adds exactly 0 to the residual
+        silenced.attns[
+            layer
+        ].out_proj.weight.zero_()  # the layer now adds exactly 0 to the residual
         expected, _ = silenced(tokens)
-        got, _ = model(tokens, head_mask=head_mask_without(model, [(layer, h) for h in range(4)]))
+        got, _ = model(
+            tokens,
+            head_mask=head_mask_without(model, [(layer, h) for h in range(4)]),
+        )
         plain, _ = model(tokens)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     assert (got - plain).abs().max() > 1e-3
@@ -158,7 +172,9 @@ def test_one_head_off_equals_zeroing_its_columns_of_the_output_projection() -> N
     layer, head, d_k = 1, 2, 16 // 4
     silenced = copy.deepcopy(model)
     with torch.no_grad():
-        silenced.attns[layer].out_proj.weight[:, head * d_k : (head + 1) * d_k] = 0.0  # head's slice of W_O
+        silenced.attns[layer].out_proj.weight[:, head * d_k : (head + 1) * d_k] = (
+            0.0  # head's slice of W_O
+        )
         expected, _ = silenced(tokens)
         got, _ = model(tokens, head_mask=head_mask_without(model, [(layer, head)]))
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
@@ -168,7 +184,11 @@ def test_per_example_head_mask_matches_running_examples_one_by_one() -> None:
     model = _model()
     tokens = _data(3).tokens
     masks = torch.stack(
-        [head_mask_without(model, []), head_mask_without(model, [(0, 1)]), head_mask_without(model, [(1, 0), (1, 3)])]
+        [
+            head_mask_without(model, []),
+            head_mask_without(model, [(0, 1)]),
+            head_mask_without(model, [(1, 0), (1, 3)]),
+        ]
     )  # (B, L, H)
     with torch.no_grad():
         together, _ = model(tokens, head_mask=masks)
@@ -208,15 +228,27 @@ def test_head_scores_on_hand_made_attention_patterns() -> None:
         for t in range(b, b + S - 1):
             induction[i, t] = 0.0
             induction[i, t, a + (t - b) + 1] = 1.0
-    heads = torch.stack([eye.expand(n, T, T), previous.expand(n, T, T), first.expand(n, T, T), induction], dim=1)
+    heads = torch.stack(
+        [
+            eye.expand(n, T, T),
+            previous.expand(n, T, T),
+            first.expand(n, T, T),
+            induction,
+        ],
+        dim=1,
+    )
     scores = head_scores([heads], data)  # one layer, 4 heads
-    torch.testing.assert_close(scores["self"], torch.tensor([[1.0, 0.0, 0.0, 1 - (S - 1) / (T - 1)]]))
+    torch.testing.assert_close(
+        scores["self"], torch.tensor([[1.0, 0.0, 0.0, 1 - (S - 1) / (T - 1)]])
+    )
     # Query 1's previous key is key 0: the previous-token and first-token heads overlap there only.
     torch.testing.assert_close(scores["previous"], torch.tensor([[0.0, 1.0, 1 / (T - 1), 0.0]]))
     torch.testing.assert_close(scores["first"], torch.tensor([[0.0, 1 / (T - 1), 1.0, 0.0]]))
     # Over the first copy's positions a + 1 .. a + S - 1 (a >= 0, so key 0 is the previous key only when a = 0).
     from_first = float((data.source_start == 0).sum()) / n / (S - 1)
-    torch.testing.assert_close(scores["previous_source"], torch.tensor([[0.0, 1.0, from_first, 0.0]]))
+    torch.testing.assert_close(
+        scores["previous_source"], torch.tensor([[0.0, 1.0, from_first, 0.0]])
+    )
     torch.testing.assert_close(scores["induction"], torch.tensor([[0.0, 0.0, 0.0, 1.0]]))
 
 
@@ -236,7 +268,9 @@ def test_match_score_finds_the_earlier_occurrence() -> None:
 
 
 @pytest.mark.parametrize("removed", [[], [(0, 1), (1, 3)]])
-def test_head_importance_is_the_mean_absolute_derivative_of_the_loss(removed: list) -> None:
+def test_head_importance_is_the_mean_absolute_derivative_of_the_loss(
+    removed: list,
+) -> None:
     model = _model(dtype=torch.float64)
     data = _data(3, seed=8)
     base = head_mask_without(model, removed).double()  # (L, H), the point where we differentiate
@@ -263,16 +297,7 @@ def test_head_importance_is_the_mean_absolute_derivative_of_the_loss(removed: li
 # ---------------------------------------------------------------- training
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models train fastest (and reproducibly) on one thread; restore the setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def test_a_short_training_run_reduces_the_loss(one_thread: None) -> None:
+def test_a_short_training_run_reduces_the_loss(one_torch_thread: None) -> None:
     torch.manual_seed(0)
     model = TinyTransformer(V, T, d_model=32, num_heads=2)
     test = _data(256, seed=9)
@@ -284,7 +309,7 @@ def test_a_short_training_run_reduces_the_loss(one_thread: None) -> None:
     assert loss_after < loss_before - 0.25, (loss_before, loss_after)
 
 
-def test_training_is_reproducible(one_thread: None) -> None:
+def test_training_is_reproducible(one_torch_thread: None) -> None:
     results = []
     for _ in range(2):
         torch.manual_seed(3)

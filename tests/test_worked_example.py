@@ -12,12 +12,13 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-
 from mha import worked_example as we
 
 TOL = 1e-12
 ROOT2 = math.sqrt(2.0)
-E = math.exp(1.0 / ROOT2)  # e^{1/sqrt(2)}: the weight of a key whose raw score is 1 more than the smallest
+E = math.exp(
+    1.0 / ROOT2
+)  # e^{1/sqrt(2)}: the weight of a key whose raw score is 1 more than the smallest
 
 
 # --- the matrices, exactly as given in the example ------------------------------------------------
@@ -44,7 +45,16 @@ def test_fused_matrices_are_the_heads_side_by_side() -> None:
 
 
 def test_matrices_are_read_only() -> None:
-    for array in (we.X, we.W_O, we.W_Q, we.W_K, we.W_V, *we.W_Q_HEADS, *we.W_K_HEADS, *we.W_V_HEADS):
+    for array in (
+        we.X,
+        we.W_O,
+        we.W_Q,
+        we.W_K,
+        we.W_V,
+        *we.W_Q_HEADS,
+        *we.W_K_HEADS,
+        *we.W_V_HEADS,
+    ):
         with pytest.raises(ValueError):
             array[0, 0] = 5.0
 
@@ -63,9 +73,11 @@ def test_matrices_are_read_only() -> None:
 HEAD1_Q = [[1, 0], [0, 1], [1, 1]]
 HEAD1_K = [[0, 1], [1, 0], [1, 1]]
 HEAD1_V = [[2, 0], [0, 0], [1, 0]]
-HEAD1_RAW = [[Fraction(0), Fraction(1), Fraction(1)],
-             [Fraction(1), Fraction(0), Fraction(1)],
-             [Fraction(1), Fraction(1), Fraction(2)]]
+HEAD1_RAW = [
+    [Fraction(0), Fraction(1), Fraction(1)],
+    [Fraction(1), Fraction(0), Fraction(1)],
+    [Fraction(1), Fraction(1), Fraction(2)],
+]
 #
 # Head 2: q = (x2, x3), k = (x3, x2), v = (0, x0 + x1).
 #   q_0 = (1, 0), q_1 = (0, 1), q_2 = (0, 0)
@@ -77,9 +89,11 @@ HEAD1_RAW = [[Fraction(0), Fraction(1), Fraction(1)],
 HEAD2_Q = [[1, 0], [0, 1], [0, 0]]
 HEAD2_K = [[0, 1], [1, 0], [0, 0]]
 HEAD2_V = [[0, 1], [0, 1], [0, 2]]
-HEAD2_RAW = [[Fraction(0), Fraction(1), Fraction(0)],
-             [Fraction(1), Fraction(0), Fraction(0)],
-             [Fraction(0), Fraction(0), Fraction(0)]]
+HEAD2_RAW = [
+    [Fraction(0), Fraction(1), Fraction(0)],
+    [Fraction(1), Fraction(0), Fraction(0)],
+    [Fraction(0), Fraction(0), Fraction(0)],
+]
 
 
 def _softmax_by_hand(raw_row: list[Fraction]) -> list[float]:
@@ -105,7 +119,9 @@ def test_projections(steps: we.WorkedExample, head: int, q, k, v) -> None:
 
 
 @pytest.mark.parametrize(("head", "raw"), [(0, HEAD1_RAW), (1, HEAD2_RAW)])
-def test_raw_and_scaled_scores(steps: we.WorkedExample, head: int, raw: list[list[Fraction]]) -> None:
+def test_raw_and_scaled_scores(
+    steps: we.WorkedExample, head: int, raw: list[list[Fraction]]
+) -> None:
     # Integer dot products of integer vectors: exact in floating point.
     assert np.array_equal(steps.heads[head].scores, np.array(raw, dtype=float))
     scaled = [[float(s) / ROOT2 for s in row] for row in raw]
@@ -113,7 +129,9 @@ def test_raw_and_scaled_scores(steps: we.WorkedExample, head: int, raw: list[lis
 
 
 @pytest.mark.parametrize(("head", "raw"), [(0, HEAD1_RAW), (1, HEAD2_RAW)])
-def test_weights_by_exp_and_normalise(steps: we.WorkedExample, head: int, raw: list[list[Fraction]]) -> None:
+def test_weights_by_exp_and_normalise(
+    steps: we.WorkedExample, head: int, raw: list[list[Fraction]]
+) -> None:
     expected = [_softmax_by_hand(row) for row in raw]
     np.testing.assert_allclose(steps.heads[head].weights, expected, rtol=0, atol=TOL)
 
@@ -148,7 +166,11 @@ def test_head2_weights_closed_form(steps: we.WorkedExample) -> None:
 #     row 0: (2 + E) / (1 + 2E);  row 1: (2E + E) / (1 + 2E) = 3E / (1 + 2E);  row 2: (2 + E) / (2 + E) = 1
 #   head 2, column 1 = 1 * w[t, 0] + 1 * w[t, 1] + 2 * w[t, 2]
 #     row 0: (1 + E + 2) / (2 + E);  row 1: (E + 1 + 2) / (2 + E);  row 2: (1 + 1 + 2) / 3 = 4/3
-HEAD1_OUT = [[(2 + E) / (1 + 2 * E), 0.0], [3 * E / (1 + 2 * E), 0.0], [1.0, 0.0]]
+HEAD1_OUT = [
+    [(2 + E) / (1 + 2 * E), 0.0],
+    [3 * E / (1 + 2 * E), 0.0],
+    [1.0, 0.0],
+]
 HEAD2_OUT = [[0.0, (3 + E) / (2 + E)], [0.0, (3 + E) / (2 + E)], [0.0, 4 / 3]]
 
 
@@ -173,7 +195,9 @@ def test_loop_and_fused_reference_agree(steps: we.WorkedExample) -> None:
 def test_torch_multihead_attention_agrees(steps: we.WorkedExample) -> None:
     layer = torch.nn.MultiheadAttention(4, 2, bias=False, batch_first=True, dtype=torch.float64)
     with torch.no_grad():
-        layer.in_proj_weight.copy_(torch.from_numpy(np.concatenate([we.W_Q.T, we.W_K.T, we.W_V.T])))
+        layer.in_proj_weight.copy_(
+            torch.from_numpy(np.concatenate([we.W_Q.T, we.W_K.T, we.W_V.T]))
+        )
         layer.out_proj.weight.copy_(torch.from_numpy(we.W_O.T.copy()))
     x = torch.from_numpy(we.X.copy())[None]  # (1, T, D)
     output, weights = layer(x, x, x, need_weights=True, average_attn_weights=False)
@@ -187,7 +211,11 @@ def test_what_if_identity_w_o_and_no_scaling() -> None:
     # scale = 1: head 1 row 2 raw (1, 1, 2) -> (e, e, e^2) / (2e + e^2) = (1, 1, e) / (2 + e).
     unscaled = we.compute(scale=1.0)
     e = math.e
-    np.testing.assert_allclose(unscaled.heads[0].weights[2], [1 / (2 + e), 1 / (2 + e), e / (2 + e)], atol=TOL)
+    np.testing.assert_allclose(
+        unscaled.heads[0].weights[2],
+        [1 / (2 + e), 1 / (2 + e), e / (2 + e)],
+        atol=TOL,
+    )
     assert unscaled.loop_output is None and unscaled.fused_output is None
 
 

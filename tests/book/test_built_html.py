@@ -65,7 +65,16 @@ def test_no_page_loads_anything_from_another_host(html_pages):
     offenders = []
     for page in html_pages:
         for tag, attr, value in _parse(page).refs:
-            if tag in ("script", "link", "img", "iframe", "source", "video", "audio", "embed") and _is_external(value):
+            if tag in (
+                "script",
+                "link",
+                "img",
+                "iframe",
+                "source",
+                "video",
+                "audio",
+                "embed",
+            ) and _is_external(value):
                 offenders.append(f"{page.name}: <{tag} {attr}={value!r}>")
     assert not offenders, "built pages load resources from other hosts:\n" + "\n".join(offenders)
 
@@ -82,7 +91,7 @@ def test_no_stylesheet_or_script_names_another_host(html_dir):
 
 
 def test_mathjax_is_served_locally(html_dir):
-    page = (html_dir / "chapters" / "01_single_head.html")
+    page = html_dir / "chapters" / "01_single_head.html"
     scripts = [v for t, a, v in _parse(page).refs if t == "script" and "mathjax" in v.lower()]
     assert scripts, "no MathJax script on the chapter page"
     for src in scripts:
@@ -111,5 +120,9 @@ def test_internal_links_resolve(html_pages, html_dir):
 
 
 def test_no_error_output_in_built_pages(html_pages):
-    offenders = [p.name for p in html_pages if "Traceback (most recent call last)" in p.read_text(encoding="utf-8")]
+    offenders = [
+        p.name
+        for p in html_pages
+        if "Traceback (most recent call last)" in p.read_text(encoding="utf-8")
+    ]
     assert not offenders, f"pages that show a Python traceback: {offenders}"

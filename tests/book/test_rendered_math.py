@@ -9,7 +9,11 @@ import tempfile
 
 import pytest
 
-PAGES = ["chapters/01_single_head.html", "chapters/04_worked_example.html", "appendix/notation.html"]
+PAGES = [
+    "chapters/01_single_head.html",
+    "chapters/04_worked_example.html",
+    "appendix/notation.html",
+]
 
 
 def _chromium() -> str:
@@ -27,11 +31,23 @@ def _dump_dom(browser: str, url: str) -> str:
     with tempfile.TemporaryDirectory() as profile:
         result = subprocess.run(
             [
-                browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                f"--user-data-dir={profile}", "--virtual-time-budget=15000", "--dump-dom", url,
+                browser,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                f"--user-data-dir={profile}",
+                "--virtual-time-budget=15000",
+                "--dump-dom",
+                url,
             ],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
     assert result.returncode == 0, f"chromium failed on {url}:\n{result.stderr[-2000:]}"
     return result.stdout

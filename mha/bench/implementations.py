@@ -1,0 +1,232 @@
+"""The implementations that ``python -m mha.bench`` times, one registry entry each.
+
+Every layer entry computes the same function with the same weights (those of
+one seeded ``torch.nn.MultiheadAttention``), in eval mode and without autograd;
+``tests/test_bench.py`` checks each against the NumPy reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .. import reference
+from ..functional import (
+    causal_mask,
+    merge_heads,
+    reference_weights,
+    split_heads,
+)
+from .registry import Runner, Unsupported, register
+
+__all__ = ["BACKENDS", "textbook_attention", "sdpa_attention"]
+
+#: ``sdpa_<name>`` implementations and the backend each one forces.
+BACKENDS: dict[str, SDPBackend] = {
+    "math": SDPBackend.MATH,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+}
+
+NUMPY_DTYPES = (torch.float32, torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two layers written out here: the textbook one and the floor of the module's
+# approach
+
+
+def textbook_attention(
+    x: Tensor, layer: nn.MultiheadAttention, keep: Tensor | None = None
+) -> Tensor:
+    """Multi-head self-attention written out, the (B, H, T, T) scores materialised.
+
+    Args:
+        x: inputs, (B, T, D).
+        layer: the weights: ``in_proj_weight`` (3D, D), ``out_proj`` (D, D),
+        and their biases. keep: optional boolean (T, T), True where a query may
+        attend.
+
+    Returns:
+        (B, T, D).
+    """
+    d_k = x.shape[-1] // layer.num_heads
+    qkv = F.linear(x, layer.in_proj_weight, layer.in_proj_bias)  # (B, T, 3D)
+    q, k, v = (
+        split_heads(t, d_k) for t in qkv.chunk(3, dim=-1)
+    )  # (B, H, T, d_k) each
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d_k))  # (B, H, T, T)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)  # (B, H, T, T)
+    heads = weights @ v  # (B, H, T, d_k)
+    return layer.out_proj(merge_heads(heads))  # (B, T, D)
+
+
+def sdpa_attention(
+    x: Tensor, layer: nn.MultiheadAttention, is_causal: bool = False
+) -> Tensor:
+    """The same layer with the core handed to ``F.scaled_dot_product_attention``: nothing else.
+
+    The floor of the module's approach: the projections, views and the one
+    fused attention call.
+    """
+    d_k = x.shape[-1] // layer.num_heads
+    qkv = F.linear(x, layer.in_proj_weight, layer.in_proj_bias)  # (B, T, 3D)
+    q, k, v = (
+        split_heads(t, d_k) for t in qkv.chunk(3, dim=-1)
+    )  # (B, H, T, d_k) each
+    heads = F.scaled_dot_product_attention(
+        q, k, v, is_causal=is_causal
+    )  # (B, H, T, d_k)
+    return layer.out_proj(merge_heads(heads))  # (B, T, D)
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry entries, in table order
+
+
+def _numpy_inputs(layer: nn.MultiheadAttention, x: Tensor, causal: bool):
+    """x, W_Q, W_K, W_V, W_O and the causal mask in the reference's layout (no biases there)."""
+    weights = reference_weights(layer)
+    for name, bias in (
+        ("in_proj_bias", weights.b_q),
+        ("out_proj.bias", weights.b_o),
+    ):
+        if bias is not None and bool(np.any(bias)):
+            raise Unsupported(
+                f"the NumPy reference has no biases, and the layer's {name} is not zero"
+            )
+    mask = reference.causal_mask(x.shape[1]) if causal else None
+    return x.cpu().numpy(), weights, mask
+
+
+@register("numpy_loop", scope="layer", devices=("cpu",), dtypes=NUMPY_DTYPES)
+def numpy_loop(
+    layer: nn.MultiheadAttention, x: Tensor, causal: bool
+) -> Runner:
+    """:func:`mha.reference.multi_head_attention_loop`, head by head (CPU)."""
+    x_np, w, mask = _numpy_inputs(layer, x, causal)
+    d_k = x.shape[-1] // layer.num_heads
+    columns = [slice(i * d_k, (i + 1) * d_k) for i in range(layer.num_heads)]
+    per_head = [
+        [np.ascontiguousarray(m[:, c]) for c in columns]
+        for m in (w.w_q, w.w_k, w.w_v)
+    ]
+    return lambda: reference.multi_head_attention_loop(
+        x_np, *per_head, w.w_o, mask
+    )[0]
+
+
+@register("numpy_fused", scope="layer", devices=("cpu",), dtypes=NUMPY_DTYPES)
+def numpy_fused(
+    layer: nn.MultiheadAttention, x: Tensor, causal: bool
+) -> Runner:
+    """:func:`mha.reference.multi_head_attention`, all heads at once (CPU)."""
+    x_np, w, mask = _numpy_inputs(layer, x, causal)
+    return lambda: reference.multi_head_attention(
+        x_np, w.w_q, w.w_k, w.w_v, w.w_o, layer.num_heads, mask
+    )[0]
+
+
+@register("torch_textbook", scope="layer")
+def torch_textbook(
+    layer: nn.MultiheadAttention, x: Tensor, causal: bool
+) -> Runner:
+    """:func:`textbook_attention`: writes out the (B, H, T, T) scores."""
+    keep = causal_mask(x.shape[1], device=x.device) if causal else None
+    return lambda: textbook_attention(x, layer, keep)
+
+
+@register("mha_module", scope="layer")
+def mha_module(
+    layer: nn.MultiheadAttention, x: Tensor, causal: bool
+) -> Runner:
+    """:class:`mha.MultiHeadAttention`, ``need_weights=False``."""
+    from ..module import MultiHeadAttention
+
+    module = MultiHeadAttention(
+        layer.embed_dim, layer.num_heads, device=x.device, dtype=x.dtype
+    )
+    module.load_state_dict(layer.state_dict())
+    module.eval().requires_grad_(False)
+    # The module builds the causal mask itself and hands SDPA its is_causal
+    # flag.
+    return lambda: module(x, x, x, need_weights=False, is_causal=causal)[0]
+
+
+@register("torch_mha", scope="layer")
+def torch_mha(layer: nn.MultiheadAttention, x: Tensor, causal: bool) -> Runner:
+    """``torch.nn.MultiheadAttention``, ``need_weights=False`` (its fast path)."""
+    # Same tensor as query, key and value: the condition for torch's self-
+    # attention fast path.
+    # torch takes is_causal only as a hint that attn_mask is causal, so the
+    # mask is given too.
+    blocked = ~causal_mask(x.shape[1], device=x.device) if causal else None
+    return lambda: layer(
+        x, x, x, need_weights=False, attn_mask=blocked, is_causal=causal
+    )[0]
+
+
+@register("sdpa_bare", scope="layer")
+def sdpa_bare(layer: nn.MultiheadAttention, x: Tensor, causal: bool) -> Runner:
+    """:func:`sdpa_attention`: four ``F.linear`` around ``F.scaled_dot_product_attention``."""
+    return lambda: sdpa_attention(x, layer, is_causal=causal)
+
+
+@register("projections", scope="projections")
+def projections(
+    layer: nn.MultiheadAttention, x: Tensor, causal: bool
+) -> Runner:
+    """The four projections of ``sdpa_bare`` without the attention core."""
+
+    def run() -> Tensor:
+        q, k, v = F.linear(x, layer.in_proj_weight, layer.in_proj_bias).chunk(
+            3, dim=-1
+        )
+        return layer.out_proj(
+            v.contiguous()
+        )  # (B, T, D); the copy stands for the head merge
+
+    return run
+
+
+def _sdpa_core(backend: SDPBackend):
+    def build(layer: nn.MultiheadAttention, x: Tensor, causal: bool) -> Runner:
+        with torch.no_grad():  # the projections are made here, not timed
+            qkv = F.linear(
+                x, layer.in_proj_weight, layer.in_proj_bias
+            )  # (B, T, 3D)
+        d_k = x.shape[-1] // layer.num_heads
+        q, k, v = (
+            split_heads(t, d_k) for t in qkv.chunk(3, dim=-1)
+        )  # (B, H, T, d_k) each
+
+        def core() -> Tensor:
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal
+                )  # (B, H, T, d_k)
+
+        return core
+
+    return build
+
+
+# On the CPU, torch has a math and a flash kernel only: the other two run by
+# default on GPUs.
+for _short, _backend in BACKENDS.items():
+    register(
+        f"sdpa_{_short}",
+        scope="core",
+        default_on=("cpu", "cuda")
+        if _short in ("math", "flash")
+        else ("cuda",),
+        summary=f"``F.scaled_dot_product_attention`` alone, forced to the {_short} backend",
+    )(_sdpa_core(_backend))

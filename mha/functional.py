@@ -1,0 +1,172 @@
+"""PyTorch building blocks that every torch layer of the package shares.
+
+* :func:`split_heads` / :func:`merge_heads`: ``(B, T, D) <-> (B, H, T, d_k)``,
+  the one place the head split is written in torch (the NumPy reference has its
+  own, :func:`mha.reference.split_heads`).
+* :func:`causal_mask`: top-left or bottom-right aligned, built from the
+  reference's mask.
+* :func:`attention`: scaled dot-product attention that returns its weights.
+* :func:`reference_weights`: a torch layer's projections in the NumPy
+  reference's layout.
+
+Mask convention for new code: a boolean mask is ``True`` where a query **may
+attend** (the reference's and ``F.scaled_dot_product_attention``'s convention);
+a float mask is added to the scores. Only :class:`mha.MultiHeadAttention`
+speaks ``torch.nn.MultiheadAttention``'s opposite convention (``True`` =
+blocked), at its boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import reference
+
+__all__ = [
+    "split_heads",
+    "merge_heads",
+    "causal_mask",
+    "attention",
+    "ReferenceWeights",
+    "reference_weights",
+]
+
+
+def split_heads(x: Tensor, head_dim: int) -> Tensor:
+    """(..., T, H * d_k) -> (..., H, T, d_k), a view: head i holds features i*d_k ... (i+1)*d_k - 1.
+
+    The number of heads is read from the width (``-1`` in the view), so the
+    same call splits queries with H heads and keys with H_kv heads, and a shard
+    holding only some of the heads.
+    """
+    heads = x.view(*x.shape[:-1], -1, head_dim)  # (..., T, H, d_k)
+    return heads.transpose(-3, -2)  # (..., H, T, d_k)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """(..., H, T, d_k) -> (..., T, H * d_k): the inverse of :func:`split_heads`."""
+    return x.transpose(-3, -2).flatten(
+        -2
+    )  # (..., T, H, d_k) -> (..., T, H * d_k)
+
+
+def causal_mask(
+    t_q: int,
+    t_k: int | None = None,
+    *,
+    align: str = "top-left",
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Boolean (T_q, T_k) causal mask, ``True`` where a query may attend to a key.
+
+    ``align="top-left"`` (query i sees keys 0..i) is
+    ``F.scaled_dot_product_attention``'s ``is_causal``;
+    ``align="bottom-right"`` (query i sees keys 0..i + T_k - T_q) is what the
+    newest T_q tokens need when T_k - T_q earlier tokens sit in a key/value
+    cache. It is :func:`mha.reference.causal_mask`, moved to torch: one
+    definition of the mask.
+    """
+    return torch.from_numpy(reference.causal_mask(t_q, t_k, align=align)).to(
+        device
+    )
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    *,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """softmax(q k^T * scale + mask) v, returning the output and the weights.
+
+    Args:
+        q: (..., T_q, d_k); k: (..., T_k, d_k); v: (..., T_k, d_v).
+        mask: optional, broadcastable to (..., T_q, T_k): boolean (``True`` =
+        may attend) or
+            float (added to the scores; ``-inf`` blocks a key).
+        dropout_p: probability of dropping a weight (pass 0.0 in evaluation).
+        scale: default ``1 / sqrt(d_k)``.
+
+    Returns:
+        ``(output, weights)``: (..., T_q, d_v) and (..., T_q, T_k), the weights
+        after dropout.
+    """
+    divisor = math.sqrt(q.shape[-1]) if scale is None else 1.0 / scale
+    scores = q @ k.transpose(-2, -1) / divisor  # (..., T_q, T_k)
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask
+    weights = F.dropout(
+        torch.softmax(scores, dim=-1), p=dropout_p
+    )  # (..., T_q, T_k)
+    return weights @ v, weights  # (..., T_q, d_v), (..., T_q, T_k)
+
+
+class ReferenceWeights(NamedTuple):
+    """A layer's projections as the NumPy reference writes them: ``x @ w``, ``w`` (d_in, d_out).
+
+    ``b_q``, ``b_k``, ``b_v``, ``b_o`` are the biases, or None for a layer
+    without them.
+    """
+
+    w_q: np.ndarray
+    w_k: np.ndarray
+    w_v: np.ndarray
+    w_o: np.ndarray
+    b_q: np.ndarray | None
+    b_k: np.ndarray | None
+    b_v: np.ndarray | None
+    b_o: np.ndarray | None
+
+
+def reference_weights(
+    layer: nn.Module, dtype: np.dtype | type | None = None
+) -> ReferenceWeights:
+    """The projections of a ``torch.nn.MultiheadAttention`` or :class:`mha.MultiHeadAttention`.
+
+    torch stores ``nn.Linear`` weights as (d_out, d_in), the transpose of the
+    reference's (d_in, d_out): each matrix is transposed; ``in_proj_weight``
+    (3D, D) is cut into W_Q, W_K, W_V. The arrays are C-ordered copies on the
+    CPU, in ``dtype`` (default: the layer's).
+    """
+    D = layer.embed_dim
+
+    def numpy(t: Tensor | None) -> np.ndarray | None:
+        return (
+            None
+            if t is None
+            else np.array(t.detach().cpu().numpy(), dtype=dtype, order="C")
+        )
+
+    if layer.in_proj_weight is not None:
+        w_q, w_k, w_v = layer.in_proj_weight.split(D)  # (D, D) each
+    else:
+        w_q, w_k, w_v = (
+            layer.q_proj_weight,
+            layer.k_proj_weight,
+            layer.v_proj_weight,
+        )
+    b_q = b_k = b_v = None
+    if layer.in_proj_bias is not None:
+        b_q, b_k, b_v = layer.in_proj_bias.split(D)  # (D,) each
+    out = layer.out_proj
+    return ReferenceWeights(
+        numpy(w_q.T),
+        numpy(w_k.T),
+        numpy(w_v.T),
+        numpy(out.weight.T),  # (d_in, D), (D, D)
+        numpy(b_q),
+        numpy(b_k),
+        numpy(b_v),
+        numpy(out.bias),
+    )
