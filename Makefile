@@ -38,6 +38,7 @@ book: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff format --check
 	$(BIN)/ruff check
+	$(BIN)/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests --ignore=tests/book

@@ -126,3 +126,115 @@ def test_no_error_output_in_built_pages(html_pages):
         if "Traceback (most recent call last)" in p.read_text(encoding="utf-8")
     ]
     assert not offenders, f"pages that show a Python traceback: {offenders}"
+
+
+# ---------------------------------------------------------------------------------------------
+# What the reader must not see: the machinery of a checkable book, and links that read badly
+
+
+class _Text(HTMLParser):
+    """The text of the article: shown code (cell inputs) apart from prose, and internal links."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0  # > 0 inside <article>
+        self.code_depth = 0  # > 0 inside a cell input
+        self.code: list[str] = []
+        self.prose: list[str] = []
+        self.links: list[tuple[str, str]] = []  # (href, text) of <a class="reference internal">
+        self._link: list | None = None
+        self._stack: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        classes = (attrs.get("class") or "").split()
+        if tag == "article":
+            self.depth += 1
+        if self.depth and tag == "div":
+            self._stack.append("code" if "cell_input" in classes else "div")
+            if "cell_input" in classes:
+                self.code_depth += 1
+        if self.depth and tag == "a" and "reference" in classes and "internal" in classes:
+            self._link = [attrs.get("href", ""), ""]
+
+    def handle_endtag(self, tag):
+        if tag == "article":
+            self.depth -= 1
+        if self.depth and tag == "div" and self._stack:
+            if self._stack.pop() == "code":
+                self.code_depth -= 1
+        if tag == "a" and self._link is not None:
+            self.links.append((self._link[0], self._link[1].strip()))
+            self._link = None
+
+    def handle_data(self, data):
+        if not self.depth:
+            return
+        (self.code if self.code_depth else self.prose).append(data)
+        if self._link is not None:
+            self._link[1] += data
+
+
+def _article(page: Path) -> _Text:
+    parser = _Text()
+    parser.feed(page.read_text(encoding="utf-8"))
+    return parser
+
+
+MACHINERY = ("glue(", "from myst_nb import", "NBVAL_", "set_num_threads")
+ABOUT_THE_BUILD = (
+    "this edition",
+    "this page was built",
+    "when this page was",
+    "built this page",
+    "no gpu was available",
+)
+
+
+def test_shown_code_has_no_machinery(html_pages, html_dir):
+    offenders = []
+    for page in html_pages:
+        code = "".join(_article(page).code)
+        for word in MACHINERY:
+            if word in code:
+                offenders.append(f"{page.relative_to(html_dir)}: shows {word!r}")
+        for key in re.findall(r"#.*\b([a-z]+\d{4}[a-z]+)\b", code):
+            offenders.append(f"{page.relative_to(html_dir)}: a BibTeX key in a comment: {key}")
+    assert not offenders, "machinery on show (hide it with cell tags):\n" + "\n".join(offenders)
+
+
+def test_prose_speaks_of_the_subject_not_of_the_build(html_pages, html_dir):
+    offenders = []
+    for page in html_pages:
+        prose = " ".join("".join(_article(page).prose).split()).lower()
+        offenders += [f"{page.relative_to(html_dir)}: {p!r}" for p in ABOUT_THE_BUILD if p in prose]
+    assert not offenders, "sentences about how the book was made:\n" + "\n".join(offenders)
+
+
+def _titles(html_dir: Path) -> dict[Path, str]:
+    titles = {}
+    for page in html_dir.rglob("*.html"):
+        match = re.search(r"<title>(.*?) &#8212;", page.read_text(encoding="utf-8"))
+        if match:
+            title = re.sub(r"^[\d.]+\s+", "", match.group(1))  # without its number
+            titles[page.resolve()] = title.replace("&amp;", "&")
+    return titles
+
+
+def test_links_read_as_prose(html_pages, html_dir):
+    titles = _titles(html_dir)
+    offenders = []
+    for page in html_pages:
+        if page.name in ("genindex.html", "search.html") or page.parent.name == "_static":
+            continue
+        article = _article(page)
+        for href, text in article.links:
+            target = (page.parent / unquote(urlsplit(href).path)).resolve()
+            if target != page.resolve() and titles.get(target) == text and len(text) > 25:
+                offenders.append(f"{page.relative_to(html_dir)}: a link reads {text!r}")
+        prose = " ".join("".join(article.prose).split())
+        for doubled in re.findall(r"\b(chapter|exercise|figure|section) \1\b", prose, re.I):
+            offenders.append(f"{page.relative_to(html_dir)}: {doubled!r} twice in a row")
+    assert not offenders, "links that paste a whole title into a sentence:\n" + "\n".join(
+        offenders[:40]
+    )
