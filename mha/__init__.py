@@ -3,20 +3,20 @@
 The package behind the book. Each module has one purpose; the chapters that
 read it and the tests that pin it are listed with it (README.md has the table).
 
-==========================  ==========================  ========  ======================
-module                      what it holds               chapters  tests
-==========================  ==========================  ========  ======================
-:mod:`mha.reference`        NumPy reference: the math   01-07     test_reference
-:mod:`mha._validate`        the one error policy        all       (every error test)
-:mod:`mha.functional`       torch building blocks       08, 09    test_functional
-:mod:`mha.worked_example`   the 2-head worked example   04        test_worked_example
-:mod:`mha.fitting`          fitting heads to patterns   02        test_fitting
-:mod:`mha.counting`         every count and config      06, 09    test_counting
-:mod:`mha.module`           MultiHeadAttention (torch)  08-10     test_module_*
-:mod:`mha.plotting`         maps, grids, benchmarks     all       (drawn in chapters)
-:mod:`mha.bench`            ``python -m mha.bench``     09        test_bench
-:mod:`mha.tiny`             the tiny induction model    10        test_tiny
-==========================  ==========================  ========  ======================
+=========================  =====================  ========  ===================
+module                     what it holds          chapters  tests
+=========================  =====================  ========  ===================
+:mod:`mha.reference`       the math, in NumPy     01-07     test_reference
+:mod:`mha._validate`       the one error policy   all       (every error test)
+:mod:`mha.functional`      torch building blocks  08, 09    test_functional
+:mod:`mha.worked_example`  2-head worked example  04        test_worked_example
+:mod:`mha.fitting`         heads fit to patterns  02        test_fitting
+:mod:`mha.counting`        counts and configs     06, 09    test_counting
+:mod:`mha.module`          MultiHeadAttention     08-10     test_module_*
+:mod:`mha.plotting`        maps, grids, timings   all       (drawn in chapters)
+:mod:`mha.bench`           the benchmark          09        test_bench
+:mod:`mha.tiny`            tiny induction model   10        test_tiny
+=========================  =====================  ========  ===================
 
 The order inside a topic: the NumPy reference first, then the torch or fast
 version, tests that pin one to the other, a benchmark entry, the chapter.

@@ -1,13 +1,13 @@
 """The package's one error policy, in one place.
 
-* A value of the wrong *type* raises ``TypeError``: ``num_heads must be an int,
-  got float 2.0``.
+* A value of the wrong *type* raises ``TypeError``:
+  ``num_heads must be an int, got float 2.0``.
 * A value of the right type but a bad *value* raises ``ValueError``:
   ``num_heads must be a positive int, got 0``.
 * Every message names the argument, what was expected and what came.
 
-Checks return the value they accept, so a caller can write ``n = check_int("n",
-n)``.
+Checks return the value they accept, so a caller can write
+``n = check_int("n", n)``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ __all__ = [
 
 
 def check_int(name: str, value: object, *, minimum: int = 1) -> int:
-    """``value`` as an ``int`` (NumPy integers too, never ``bool``), at least ``minimum``."""
+    """``value`` as an ``int``, at least ``minimum``.
+
+    NumPy integers are accepted too, ``bool`` never.
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(
             f"{name} must be an int, got {type(value).__name__} {value!r}"
@@ -36,7 +39,10 @@ def check_int(name: str, value: object, *, minimum: int = 1) -> int:
 
 
 def check_divisible(name: str, value: int, by_name: str, by: int) -> int:
-    """``value // by``, after checking that ``by`` divides ``value`` (for example D by H)."""
+    """``value // by``, after checking that ``by`` divides ``value``.
+
+    For example D by H.
+    """
     if value % by != 0:
         raise ValueError(
             f"{name} ({value}) must be divisible by {by_name} ({by})"
@@ -61,13 +67,17 @@ def check_choice(
     """``value`` if it is one of ``choices``."""
     if value not in choices:
         raise ValueError(
-            f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
+            f"{name} must be one of {', '.join(map(repr, choices))}, "
+            f"got {value!r}"
         )
     return value
 
 
 def shape_text(expected: dict[str, tuple[int, ...]]) -> str:
-    """``{"(B, T_k)": (2, 5)}`` -> ``"(B, T_k) = (2, 5)"``; several shapes are joined by ``or``."""
+    """``{"(B, T_k)": (2, 5)}`` -> ``"(B, T_k) = (2, 5)"``.
+
+    Several shapes are joined by ``or``.
+    """
     return " or ".join(
         f"{symbol} = {shape}" for symbol, shape in expected.items()
     )

@@ -1,4 +1,4 @@
-"""Parameter, FLOP and memory counts of a multi-head attention layer; real model configurations.
+"""Parameter, FLOP and memory counts of a multi-head attention layer.
 
 Conventions (the book's chapter 06 derives each formula):
 
@@ -11,12 +11,12 @@ Conventions (the book's chapter 06 derives each formula):
   (the convention of ``torch.utils.flop_counter``). Softmax, scaling, masking
   and bias additions are not counted: they grow like ``B * H * T_q * T_k`` or
   ``B * T * D``, one factor of ``d_k`` or ``D`` below the products.
-* Memory is in bytes: parameters times bytes per parameter (4 for float32, 2
-  for bfloat16).
+* Memory is in bytes: parameters times bytes per parameter (4 for float32,
+  2 for bfloat16).
 
-The data at the end (:data:`MODEL_CONFIGS`, :data:`VASWANI2017_HEAD_ABLATION`)
-are quoted from the papers named in each entry; ``citation`` holds the key in
-the book's ``references.bib``.
+The data at the end, real model configurations (:data:`MODEL_CONFIGS`) and
+:data:`VASWANI2017_HEAD_ABLATION`, are quoted from the papers named in each
+entry; ``citation`` holds the key in the book's ``references.bib``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,9 @@ def attention_parameters(
     vdim: int | None = None,
     add_bias_kv: bool = False,
 ) -> int:
-    """Number of parameters of one multi-head attention layer (as ``torch.nn.MultiheadAttention``).
+    """Number of parameters of one multi-head attention layer.
+
+    The layer is the one ``torch.nn.MultiheadAttention`` builds.
 
     Summed head by head, to make visible that ``H`` cancels: head ``i`` owns a
     ``(D, d_k)`` slice of ``W_Q``, a ``(kdim, d_k)`` slice of ``W_K`` and a
@@ -74,14 +76,12 @@ def attention_parameters(
     d_k = _head_size(d_model, num_heads)
     kdim = d_model if kdim is None else check_int("kdim", kdim)
     vdim = d_model if vdim is None else check_int("vdim", vdim)
-    per_head = (
-        d_model * d_k + kdim * d_k + vdim * d_k
-    )  # the head's columns of W_Q, W_K, W_V
+    # the head's columns of W_Q, W_K, W_V
+    per_head = d_model * d_k + kdim * d_k + vdim * d_k
     weights = num_heads * per_head + d_model * d_model  # + W_O, (D, D)
     biases = 4 * d_model if bias else 0  # b_Q, b_K, b_V, b_O, each (D,)
-    extra_kv = (
-        2 * d_model if add_bias_kv else 0
-    )  # bias_k, bias_v, each (1, 1, D)
+    # bias_k, bias_v, each (1, 1, D)
+    extra_kv = 2 * d_model if add_bias_kv else 0
     return weights + biases + extra_kv
 
 
@@ -95,7 +95,9 @@ def attention_flops(
     kdim: int | None = None,
     vdim: int | None = None,
 ) -> dict[str, int]:
-    """FLOPs of each matrix product in one multi-head attention layer (multiply-add = 2 FLOPs).
+    """FLOPs of each matrix product in one multi-head attention layer.
+
+    A multiply-add counts as 2 FLOPs.
 
     Args:
         batch: B.
@@ -106,11 +108,11 @@ def attention_flops(
         kdim, vdim: feature sizes of the key and value inputs (default D).
 
     Returns:
-        A dict with the FLOPs of ``q_proj`` (2 B T_q D D), ``k_proj`` (2 B T_k
-        kdim D), ``v_proj`` (2 B T_k vdim D), ``scores`` (Q K^T: H products of
-        (T_q, d_k) by (d_k, T_k), 2 B H T_q T_k d_k = 2 B T_q T_k D),
-        ``weighted_values`` (weights V, the same) and ``out_proj`` (2 B T_q D
-        D).
+        A dict with the FLOPs of ``q_proj`` (2 B T_q D D), ``k_proj``
+        (2 B T_k kdim D), ``v_proj`` (2 B T_k vdim D), ``scores`` (Q K^T:
+        H products of (T_q, d_k) by (d_k, T_k),
+        2 B H T_q T_k d_k = 2 B T_q T_k D), ``weighted_values`` (weights V,
+        the same) and ``out_proj`` (2 B T_q D D).
     """
     check_int("batch", batch)
     check_int("t_q", t_q)
@@ -119,34 +121,18 @@ def attention_flops(
     kdim = d_model if kdim is None else check_int("kdim", kdim)
     vdim = d_model if vdim is None else check_int("vdim", vdim)
     return {
-        "q_proj": 2 * batch * t_q * d_model * d_model,  # (B, T_q, D) @ (D, D)
-        "k_proj": 2
-        * batch
-        * t_k
-        * kdim
-        * d_model,  # (B, T_k, kdim) @ (kdim, D)
-        "v_proj": 2
-        * batch
-        * t_k
-        * vdim
-        * d_model,  # (B, T_k, vdim) @ (vdim, D)
-        "scores": 2
-        * batch
-        * num_heads
-        * t_q
-        * t_k
-        * d_k,  # (B, H, T_q, d_k) @ (B, H, d_k, T_k)
-        "weighted_values": 2
-        * batch
-        * num_heads
-        * t_q
-        * t_k
-        * d_k,  # (B, H, T_q, T_k) @ (B, H, T_k, d_k)
-        "out_proj": 2
-        * batch
-        * t_q
-        * d_model
-        * d_model,  # (B, T_q, D) @ (D, D)
+        # (B, T_q, D) @ (D, D)
+        "q_proj": 2 * batch * t_q * d_model * d_model,
+        # (B, T_k, kdim) @ (kdim, D)
+        "k_proj": 2 * batch * t_k * kdim * d_model,
+        # (B, T_k, vdim) @ (vdim, D)
+        "v_proj": 2 * batch * t_k * vdim * d_model,
+        # (B, H, T_q, d_k) @ (B, H, d_k, T_k)
+        "scores": 2 * batch * num_heads * t_q * t_k * d_k,
+        # (B, H, T_q, T_k) @ (B, H, T_k, d_k)
+        "weighted_values": 2 * batch * num_heads * t_q * t_k * d_k,
+        # (B, T_q, D) @ (D, D)
+        "out_proj": 2 * batch * t_q * d_model * d_model,
     }
 
 
@@ -159,7 +145,10 @@ def projection_flops(
     kdim: int | None = None,
     vdim: int | None = None,
 ) -> int:
-    """FLOPs of the four projections; ``8 B T D^2`` for self-attention. Independent of the head count."""
+    """FLOPs of the four projections; ``8 B T D^2`` for self-attention.
+
+    Independent of the head count.
+    """
     counts = attention_flops(
         batch, t_q, d_model, 1, t_k=t_k, kdim=kdim, vdim=vdim
     )
@@ -180,11 +169,11 @@ def attention_core_flops(
     t_k: int | None = None,
     causal: bool = False,
 ) -> int:
-    """FLOPs of ``Q K^T`` and ``weights V`` over all heads: ``4 B T_q T_k D``, whatever ``num_heads`` is.
+    """FLOPs of ``Q K^T`` and ``weights V`` over all heads: ``4 B T_q T_k D``.
 
-    ``causal=True`` halves the count: a causal mask leaves about half of the
-    (T, T) products to compute, the convention of the FlashAttention papers
-    (exactly half as T grows).
+    The count is the same whatever ``num_heads`` is. ``causal=True`` halves the
+    count: a causal mask leaves about half of the (T, T) products to compute,
+    the convention of the FlashAttention papers (exactly half as T grows).
     """
     counts = attention_flops(batch, t_q, d_model, num_heads, t_k=t_k)
     core = counts["scores"] + counts["weighted_values"]
@@ -200,7 +189,7 @@ def layer_flops(
     t_k: int | None = None,
     causal: bool = False,
 ) -> int:
-    """FLOPs of the whole layer: the attention core plus the four projections."""
+    """FLOPs of the whole layer: attention core plus the four projections."""
     core = attention_core_flops(
         batch, t_q, d_model, num_heads, t_k=t_k, causal=causal
     )
@@ -208,7 +197,7 @@ def layer_flops(
 
 
 def softmax_rows(batch: int, t_q: int, num_heads: int) -> int:
-    """Number of separate softmaxes (one per query, per head, per sequence): ``B H T_q``."""
+    """Number of softmaxes, one per query, head and sequence: ``B H T_q``."""
     for name, value in (
         ("batch", batch),
         ("t_q", t_q),
@@ -219,7 +208,10 @@ def softmax_rows(batch: int, t_q: int, num_heads: int) -> int:
 
 
 def parameter_bytes(num_params: int, bytes_per_param: int = 4) -> int:
-    """Memory of ``num_params`` parameters: 4 bytes each in float32, 2 in float16/bfloat16."""
+    """Memory of ``num_params`` parameters, in bytes.
+
+    4 bytes each in float32, 2 in float16/bfloat16.
+    """
     check_int("num_params", num_params)
     check_int("bytes_per_param", bytes_per_param)
     return num_params * bytes_per_param
@@ -228,7 +220,10 @@ def parameter_bytes(num_params: int, bytes_per_param: int = 4) -> int:
 def attention_weights_bytes(
     batch: int, num_heads: int, t_q: int, t_k: int, bytes_per_element: int = 4
 ) -> int:
-    """Memory of the attention scores or weights, shape ``(B, H, T_q, T_k)``: it grows with ``H``."""
+    """Memory of the attention scores or weights, ``(B, H, T_q, T_k)``.
+
+    It grows with ``H``.
+    """
     for name, value in (
         ("batch", batch),
         ("num_heads", num_heads),
@@ -248,7 +243,10 @@ def kv_cache_bytes(
     head_dim: int,
     bytes_per_element: int = 2,
 ) -> int:
-    """Memory of a key/value cache: ``2 B T L H_kv d_k`` elements (keys and values, every layer)."""
+    """Memory of a key/value cache: ``2 B T L H_kv d_k`` elements.
+
+    Keys and values, for every layer.
+    """
     for name, value in (
         ("batch", batch),
         ("seq_len", seq_len),
@@ -258,15 +256,8 @@ def kv_cache_bytes(
         ("bytes_per_element", bytes_per_element),
     ):
         check_int(name, value)
-    return (
-        2
-        * batch
-        * seq_len
-        * num_layers
-        * num_kv_heads
-        * head_dim
-        * bytes_per_element
-    )
+    elements = 2 * batch * seq_len * num_layers * num_kv_heads * head_dim
+    return elements * bytes_per_element
 
 
 @dataclass(frozen=True)
@@ -278,17 +269,17 @@ class ModelConfig:
         d_model: D, the width of the residual stream.
         num_heads: H, attention heads per layer.
         num_layers: layers as the source counts them (for the encoder-decoder
-        Transformer: N,
-            the depth of the encoder and, again, of the decoder).
+            Transformer: N, the depth of the encoder and, again, of the
+            decoder).
         attention_modules: multi-head attention layers in the whole model
-        (encoder-decoder
-            Transformer: N encoder self-attention + N decoder self-attention +
-            N encoder-decoder attention = 3 N; the other models here: one per
-            layer).
+            (encoder-decoder Transformer: N encoder self-attention + N decoder
+            self-attention + N encoder-decoder attention = 3 N; the other
+            models here: one per layer).
         attention_bias: whether the attention projections carry bias vectors.
         citation: key in ``references.bib`` (comma-separated when two sources
-        are needed). source: where in the source the numbers are. note:
-        anything a reader should know about the row.
+            are needed).
+        source: where in the source the numbers are.
+        note: anything a reader should know about the row.
     """
 
     name: str
@@ -303,11 +294,14 @@ class ModelConfig:
 
     @property
     def d_k(self) -> int:
-        """d_k = d_model / num_heads (a ValueError if it is not a whole number)."""
+        """d_k = d_model / num_heads (ValueError if not a whole number)."""
         return _head_size(self.d_model, self.num_heads)
 
     def attention_parameters_per_layer(self, bias: bool | None = None) -> int:
-        """Parameters of one attention layer; ``bias=None`` uses the model's own choice."""
+        """Parameters of one attention layer.
+
+        ``bias=None`` uses the model's own choice.
+        """
         return attention_parameters(
             self.d_model,
             self.num_heads,
@@ -316,18 +310,19 @@ class ModelConfig:
 
     def attention_parameters_total(self, bias: bool | None = None) -> int:
         """Parameters of all attention layers of the model."""
-        return self.attention_modules * self.attention_parameters_per_layer(
-            bias
-        )
+        per_layer = self.attention_parameters_per_layer(bias)
+        return self.attention_modules * per_layer
 
 
-_GPT2_SOURCE = "d_model, layers: Table 2 of radford2019language; heads: hparams.json of openai2019gpt2code"
+_GPT2_SOURCE = (
+    "d_model, layers: Table 2 of radford2019language; "
+    "heads: hparams.json of openai2019gpt2code"
+)
 
-# : Published configurations. Biases: BERT and GPT-2 use biased projections in
-# their released
-# : code, GPT-3 uses GPT-2's architecture, LLaMA's projections have no bias,
-# and the equations of
-#: the original Transformer (Section 3.2.2 of vaswani2017attention) have none.
+#: Published configurations. Biases: BERT and GPT-2 use biased projections in
+#: their released code, GPT-3 uses GPT-2's architecture, LLaMA's projections
+#: have no bias, and the equations of the original Transformer (Section 3.2.2
+#: of vaswani2017attention) have none.
 MODEL_CONFIGS: tuple[ModelConfig, ...] = (
     ModelConfig(
         "Transformer base",
@@ -338,7 +333,8 @@ MODEL_CONFIGS: tuple[ModelConfig, ...] = (
         False,
         "vaswani2017attention",
         "Table 3",
-        "encoder-decoder: 6 + 6 layers, 3 attention modules per encoder/decoder pair",
+        "encoder-decoder: 6 + 6 layers, "
+        "3 attention modules per encoder/decoder pair",
     ),
     ModelConfig(
         "Transformer big",
@@ -349,7 +345,8 @@ MODEL_CONFIGS: tuple[ModelConfig, ...] = (
         False,
         "vaswani2017attention",
         "Table 3",
-        "encoder-decoder: 6 + 6 layers, 3 attention modules per encoder/decoder pair",
+        "encoder-decoder: 6 + 6 layers, "
+        "3 attention modules per encoder/decoder pair",
     ),
     ModelConfig(
         "BERT-base",
@@ -426,9 +423,9 @@ class HeadAblationRow:
 
     English-German translation, development set newstest2013, base model
     (d_model = 512); perplexity is per word piece. ``row`` is the table's
-    label: ``"(A)"`` varies the number of heads at constant computation (d_k =
-    d_v = 512 / h), ``"(B)"`` shrinks d_k alone, and ``"base"`` is the base
-    model.
+    label: ``"(A)"`` varies the number of heads at constant computation
+    (d_k = d_v = 512 / h), ``"(B)"`` shrinks d_k alone, and ``"base"`` is the
+    base model.
     """
 
     row: str
@@ -439,8 +436,8 @@ class HeadAblationRow:
     bleu_dev: float
 
 
-# : Vaswani et al. (2017), Table 3: rows (A), the base model, and the first
-# line of row (B).
+#: Vaswani et al. (2017), Table 3: rows (A), the base model, and the first
+#: line of row (B).
 #: Citation key: vaswani2017attention.
 VASWANI2017_HEAD_ABLATION: tuple[HeadAblationRow, ...] = (
     HeadAblationRow("(A)", 1, 512, 512, 5.29, 24.9),

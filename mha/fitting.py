@@ -1,10 +1,11 @@
-"""Two relationships that compete for one softmax: a constructed task, and fits of attention to it.
+"""Two relationships that compete for one softmax.
+
+A constructed task, and fits of attention to it.
 
 The task (chapter 02). A sequence has ``T = 8`` tokens of ``4`` kinds, each
 kind exactly twice, placed so that no two neighbours (on a circle: token 0
 follows token 7) are of the same kind. Every token carries a random *payload*,
-a vector of 4 standard-normal numbers. Token ``i`` must
-report two things:
+a vector of 4 standard-normal numbers. Token ``i`` must report two things:
 
 * the payload of the **previous** token, ``(i - 1) mod T``;
 * the payload of its **partner**, the other token of the same kind.
@@ -15,9 +16,9 @@ cut into ``H`` heads of ``d_k = D / H``; it is fitted by Adam on the mean
 squared error. Everything is float64 and every random number comes from an
 explicit ``torch.Generator``, so a fit is reproducible.
 
-Shapes: ``B`` sequences, ``T`` positions, ``D_in`` input features, ``D`` =
-d_model, ``H`` heads, ``d_k = D / H``, ``P`` payload size, ``D_out`` target
-size.
+Shapes: ``B`` sequences, ``T`` positions, ``D_in`` input features,
+``D`` = d_model, ``H`` heads, ``d_k = D / H``, ``P`` payload size, ``D_out``
+target size.
 """
 
 from __future__ import annotations
@@ -58,9 +59,8 @@ __all__ = [
 NUM_KINDS = 4
 SEQ_LEN = 8
 PAYLOAD_DIM = 4
-INPUT_DIM = (
-    NUM_KINDS + SEQ_LEN + PAYLOAD_DIM
-)  # kind one-hot, position one-hot, payload
+# kind one-hot, position one-hot, payload
+INPUT_DIM = NUM_KINDS + SEQ_LEN + PAYLOAD_DIM
 KIND_LETTERS = "ABCD"
 DTYPE = torch.float64
 
@@ -69,10 +69,10 @@ TARGETS = ("separate", "sum", "previous_twice")
 
 * ``"separate"``: ``[payload(previous), payload(partner)]``, ``D_out = 2 P``:
   the two reads kept apart;
-* ``"sum"``: ``(payload(previous) + payload(partner)) / sqrt(2)``, ``D_out =
-  P``: only their sum;
-* ``"previous_twice"``: ``[payload(previous), payload(previous)]``, ``D_out = 2
-  P``: one relationship, read twice.
+* ``"sum"``: ``(payload(previous) + payload(partner)) / sqrt(2)``,
+  ``D_out = P``: only their sum;
+* ``"previous_twice"``: ``[payload(previous), payload(previous)]``,
+  ``D_out = 2 P``: one relationship, read twice.
 
 Every target entry has mean 0 and variance 1, so predicting zeros gives a loss
 of 1.
@@ -85,10 +85,13 @@ class TwoRelationBatch:
 
     Attributes:
         x: inputs, ``(B, T, D_in)``: kind one-hot (4), position one-hot (8),
-        payload (4). target: ``(B, T, D_out)``, see :data:`TARGETS`. kinds:
-        ``(B, T)`` ints in ``[0, 4)``. payload: ``(B, T, P)``. previous: ``(B,
-        T)`` index of each token's previous token, ``(i - 1) mod T``. partner:
-        ``(B, T)`` index of the other token of the same kind.
+            payload (4).
+        target: ``(B, T, D_out)``, see :data:`TARGETS`.
+        kinds: ``(B, T)`` ints in ``[0, 4)``.
+        payload: ``(B, T, P)``.
+        previous: ``(B, T)`` index of each token's previous token,
+            ``(i - 1) mod T``.
+        partner: ``(B, T)`` index of the other token of the same kind.
     """
 
     x: Tensor
@@ -110,11 +113,14 @@ def target_dim(target: str) -> int:
 
 
 def sample_kinds(batch_size: int, generator: torch.Generator) -> Tensor:
-    """``(B, T)`` kinds: each of the 4 kinds twice, no two circular neighbours alike (rejection sampling)."""
+    """``(B, T)`` kinds: each of the 4 kinds twice, no two neighbours alike.
+
+    Neighbours are circular (token 0 follows token T - 1). Arrangements are
+    drawn by rejection sampling.
+    """
     check_int("batch_size", batch_size)
-    pairs = torch.arange(NUM_KINDS).repeat_interleave(
-        2
-    )  # (T,) = 0 0 1 1 2 2 3 3
+    # (T,) = 0 0 1 1 2 2 3 3
+    pairs = torch.arange(NUM_KINDS).repeat_interleave(2)
     accepted: list[Tensor] = []
     count = 0
     while count < batch_size:
@@ -125,9 +131,8 @@ def sample_kinds(batch_size: int, generator: torch.Generator) -> Tensor:
             dim=1,
         )
         kinds = pairs[order]  # (4B, T): random arrangements
-        apart = (kinds != kinds.roll(1, dims=1)).all(
-            dim=1
-        )  # token i differs from token i - 1, circularly
+        # token i differs from token i - 1, circularly
+        apart = (kinds != kinds.roll(1, dims=1)).all(dim=1)
         accepted.append(kinds[apart])
         count += int(apart.sum())
     return torch.cat(accepted)[:batch_size]  # (B, T)
@@ -136,32 +141,34 @@ def sample_kinds(batch_size: int, generator: torch.Generator) -> Tensor:
 def make_batch(
     batch_size: int, generator: torch.Generator, target: str = "separate"
 ) -> TwoRelationBatch:
-    """Draw ``batch_size`` sequences of the task and their ``target`` (see :data:`TARGETS`)."""
+    """Draw ``batch_size`` sequences of the task and their ``target``.
+
+    ``target`` is one of :data:`TARGETS`.
+    """
     _check_target(target)
     kinds = sample_kinds(batch_size, generator)  # (B, T)
+    # (B, T, P)
     payload = torch.randn(
         batch_size, SEQ_LEN, PAYLOAD_DIM, generator=generator, dtype=DTYPE
-    )  # (B, T, P)
-    position = torch.eye(
-        SEQ_LEN, dtype=DTYPE
-    )  # (T, T): row i is the one-hot of position i
+    )
+    # (T, T): row i is the one-hot of position i
+    position = torch.eye(SEQ_LEN, dtype=DTYPE)
     x = torch.cat(
         [
-            torch.nn.functional.one_hot(kinds, NUM_KINDS).to(
-                DTYPE
-            ),  # (B, T, 4)
+            # (B, T, 4)
+            torch.nn.functional.one_hot(kinds, NUM_KINDS).to(DTYPE),
             position.expand(batch_size, SEQ_LEN, SEQ_LEN),  # (B, T, T)
             payload,  # (B, T, P)
         ],
         dim=-1,
     )  # (B, T, D_in)
+    # (B, T)
     previous = ((torch.arange(SEQ_LEN) - 1) % SEQ_LEN).expand(
         batch_size, SEQ_LEN
-    )  # (B, T)
+    )
     same_kind = kinds[:, :, None] == kinds[:, None, :]  # (B, T, T)
-    same_kind &= ~torch.eye(
-        SEQ_LEN, dtype=torch.bool
-    )  # not itself: exactly one key per row remains
+    # not itself: exactly one key per row remains
+    same_kind &= ~torch.eye(SEQ_LEN, dtype=torch.bool)
     partner = same_kind.to(torch.int64).argmax(dim=-1)  # (B, T)
     read_previous = torch.gather(
         payload, 1, previous[..., None].expand(-1, -1, PAYLOAD_DIM)
@@ -181,22 +188,29 @@ def make_batch(
 
 
 def token_labels(kinds: Tensor) -> list[str]:
-    """Labels like ``"C0", "A1", ...`` (kind letter, position) for one sequence's ``(T,)`` kinds."""
+    """Labels like ``"C0", "A1", ...`` (kind letter, position) for a sequence.
+
+    ``kinds`` holds one sequence's ``(T,)`` kinds.
+    """
     return [f"{KIND_LETTERS[int(k)]}{i}" for i, k in enumerate(kinds)]
 
 
 def one_hot_pattern(index: Tensor) -> Tensor:
-    """``(B, T) -> (B, T, T)``: the attention map that puts all of row i's weight on key ``index[b, i]``."""
+    """``(B, T) -> (B, T, T)``: the attention map with one key per row.
+
+    Row i puts all of its weight on key ``index[b, i]``.
+    """
     return torch.nn.functional.one_hot(index, SEQ_LEN).to(DTYPE)
 
 
 def init_weights(
     d_model: int, d_out: int, generator: torch.Generator, d_in: int = INPUT_DIM
 ) -> dict[str, Tensor]:
-    """Random ``w_q, w_k, w_v`` of shape ``(D_in, D)`` and ``w_o`` of shape ``(D, D_out)``, std ``1/sqrt(fan_in)``.
+    """Random ``w_q, w_k, w_v``, ``(D_in, D)``, and ``w_o``, ``(D, D_out)``.
 
-    The draw does not depend on the number of heads: the same seed gives the
-    same matrices whether their ``D`` columns later form one head or several.
+    The entries are normal with std ``1/sqrt(fan_in)``. The draw does not
+    depend on the number of heads: the same seed gives the same matrices
+    whether their ``D`` columns later form one head or several.
     """
     for name, value in (
         ("d_model", d_model),
@@ -225,8 +239,8 @@ def attention(
     Args:
         x: ``(B, T, D_in)``.
         weights: ``w_q, w_k, w_v`` of shape ``(D_in, D)``, ``w_o`` of shape
-        ``(D, D_out)``; head ``h``
-            uses columns ``h * d_k : (h + 1) * d_k``, as in
+            ``(D, D_out)``; head ``h`` uses columns
+            ``h * d_k : (h + 1) * d_k``, as in
             :func:`mha.reference.multi_head_attention`.
         num_heads: H; D must be divisible by H.
 
@@ -234,13 +248,11 @@ def attention(
         ``(output, attn)`` of shapes ``(B, T, D_out)`` and ``(B, H, T, T)``.
     """
     d_k = _check_attention_inputs(x, weights, num_heads)
-    q, k, v = (
-        split_heads(x @ weights[w], d_k) for w in ("w_q", "w_k", "w_v")
-    )  # (B, H, T, d_k)
+    # (B, H, T, d_k) each
+    q, k, v = (split_heads(x @ weights[w], d_k) for w in ("w_q", "w_k", "w_v"))
     heads, attn = functional.attention(q, k, v)  # (B, H, T, d_k), (B, H, T, T)
-    return merge_heads(heads) @ weights[
-        "w_o"
-    ], attn  # (B, T, D_out), (B, H, T, T)
+    # (B, T, D_out), (B, H, T, T)
+    return merge_heads(heads) @ weights["w_o"], attn
 
 
 def _check_attention_inputs(
@@ -258,16 +270,19 @@ def _check_attention_inputs(
 
 
 def weight_on(attn: Tensor, index: Tensor) -> Tensor:
-    """``(H,)``: each head's weight on key ``index[b, i]`` for query ``i``, averaged over ``b`` and ``i``.
+    """``(H,)``: each head's weight on key ``index[b, i]`` for query ``i``.
+
+    The weight is averaged over ``b`` and ``i``.
 
     Args:
         attn: ``(B, H, T, T)`` attention weights.
         index: ``(B, T)`` one key per query, e.g. ``batch.previous`` or
-        ``batch.partner``.
+            ``batch.partner``.
     """
     if attn.ndim != 4 or index.shape != (attn.shape[0], attn.shape[2]):
         raise ValueError(
-            f"attn must have shape (B, H, T, T) and index (B, T), got {tuple(attn.shape)} and {tuple(index.shape)}"
+            "attn must have shape (B, H, T, T) and index (B, T), "
+            f"got {tuple(attn.shape)} and {tuple(index.shape)}"
         )
     picked = torch.gather(
         attn, 3, index[:, None, :, None].expand(-1, attn.shape[1], -1, 1)
@@ -277,7 +292,10 @@ def weight_on(attn: Tensor, index: Tensor) -> Tensor:
 
 @dataclass
 class FitResult:
-    """One fit: its settings, the training loss of every step, and the fitted weights (detached)."""
+    """One fit: its settings, the training loss of every step, its weights.
+
+    The fitted weights are detached.
+    """
 
     num_heads: int
     d_model: int
@@ -297,12 +315,13 @@ def fit(
     lr: float = 0.03,
     seed: int = 0,
 ) -> FitResult:
-    """Fit one attention layer (``num_heads`` heads, ``d_model`` columns) to ``target`` with Adam.
+    """Fit one attention layer to ``target`` with Adam.
 
-    Each step draws a fresh batch, so there is no fixed training set to
-    memorise. The seed fixes the initial weights and every batch; with the same
-    seed, models with different numbers of heads start from the same matrices
-    and see the same batches.
+    The layer has ``num_heads`` heads and ``d_model`` columns. Each step draws
+    a fresh batch, so there is no fixed training set to memorise. The seed
+    fixes the initial weights and every batch; with the same seed, models with
+    different numbers of heads start from the same matrices and see the same
+    batches.
     """
     _check_target(target)
     for name, value in (
@@ -334,11 +353,15 @@ def fit(
 def evaluate(
     result: FitResult, batch: TwoRelationBatch
 ) -> tuple[float, Tensor]:
-    """The mean squared error of a fitted model on ``batch`` and its attention weights ``(B, H, T, T)``."""
+    """A fitted model's mean squared error on ``batch``, and its attention.
+
+    The attention weights have shape ``(B, H, T, T)``.
+    """
     if batch.target.shape[-1] != result.weights["w_o"].shape[1]:
         raise ValueError(
-            f"batch.target has D_out = {batch.target.shape[-1]}, but the model was fitted to "
-            f"target {result.target!r} with D_out = {result.weights['w_o'].shape[1]}"
+            f"batch.target has D_out = {batch.target.shape[-1]}, "
+            f"but the model was fitted to target {result.target!r} "
+            f"with D_out = {result.weights['w_o'].shape[1]}"
         )
     with torch.no_grad():
         output, attn = attention(batch.x, result.weights, result.num_heads)
@@ -346,12 +369,13 @@ def evaluate(
 
 
 def best_readout_loss(maps: Tensor, batch: TwoRelationBatch) -> float:
-    """The lowest mean squared error that any linear read-out can reach from fixed attention maps.
+    """The lowest mean squared error any linear read-out can reach.
 
-    Each map ``m`` averages the whole input, ``maps[:, m] @ x``; the averages
-    are concatenated and a least-squares fit maps them to the target. Values
-    and output projections of a real layer are linear maps of the same averages
-    (of narrower width), so no layer with these maps can do better.
+    The attention maps are fixed. Each map ``m`` averages the whole input,
+    ``maps[:, m] @ x``; the averages are concatenated and a least-squares fit
+    maps them to the target. Values and output projections of a real layer are
+    linear maps of the same averages (of narrower width), so no layer with
+    these maps can do better.
 
     Args:
         maps: ``(B, M, T, T)`` row-stochastic attention maps (``M`` heads).
@@ -360,14 +384,13 @@ def best_readout_loss(maps: Tensor, batch: TwoRelationBatch) -> float:
     b, t, d_in = batch.x.shape
     if maps.ndim != 4 or maps.shape[0] != b or maps.shape[2:] != (t, t):
         raise ValueError(
-            f"maps must have shape ({b}, M, {t}, {t}), got shape {tuple(maps.shape)}"
+            f"maps must have shape ({b}, M, {t}, {t}), "
+            f"got shape {tuple(maps.shape)}"
         )
     averaged = maps @ batch.x[:, None]  # (B, M, T, D_in)
-    features = averaged.transpose(1, 2).reshape(
-        b * t, -1
-    )  # (B, T, M, D_in) -> (B*T, M*D_in)
+    # (B, T, M, D_in) -> (B*T, M*D_in)
+    features = averaged.transpose(1, 2).reshape(b * t, -1)
     target = batch.target.reshape(b * t, -1)  # (B*T, D_out)
-    solution = torch.linalg.lstsq(
-        features, target, driver="gelsd"
-    ).solution  # (M*D_in, D_out)
+    # (M*D_in, D_out)
+    solution = torch.linalg.lstsq(features, target, driver="gelsd").solution
     return float(torch.mean((features @ solution - target) ** 2))

@@ -12,8 +12,8 @@
 Mask convention for new code: a boolean mask is ``True`` where a query **may
 attend** (the reference's and ``F.scaled_dot_product_attention``'s convention);
 a float mask is added to the scores. Only :class:`mha.MultiHeadAttention`
-speaks ``torch.nn.MultiheadAttention``'s opposite convention (``True`` =
-blocked), at its boundary.
+speaks ``torch.nn.MultiheadAttention``'s opposite convention
+(``True`` = blocked), at its boundary.
 """
 
 from __future__ import annotations
@@ -39,21 +39,24 @@ __all__ = [
 
 
 def split_heads(x: Tensor, head_dim: int) -> Tensor:
-    """(..., T, H * d_k) -> (..., H, T, d_k), a view: head i holds features i*d_k ... (i+1)*d_k - 1.
+    """(..., T, H * d_k) -> (..., H, T, d_k), a view.
 
-    The number of heads is read from the width (``-1`` in the view), so the
-    same call splits queries with H heads and keys with H_kv heads, and a shard
-    holding only some of the heads.
+    Head i holds features i*d_k ... (i+1)*d_k - 1. The number of heads is
+    read from the width (``-1`` in the view), so the same call splits queries
+    with H heads and keys with H_kv heads, and a shard holding only some of
+    the heads.
     """
     heads = x.view(*x.shape[:-1], -1, head_dim)  # (..., T, H, d_k)
     return heads.transpose(-3, -2)  # (..., H, T, d_k)
 
 
 def merge_heads(x: Tensor) -> Tensor:
-    """(..., H, T, d_k) -> (..., T, H * d_k): the inverse of :func:`split_heads`."""
-    return x.transpose(-3, -2).flatten(
-        -2
-    )  # (..., T, H, d_k) -> (..., T, H * d_k)
+    """(..., H, T, d_k) -> (..., T, H * d_k).
+
+    The inverse of :func:`split_heads`.
+    """
+    # (..., T, H, d_k) -> (..., T, H * d_k)
+    return x.transpose(-3, -2).flatten(-2)
 
 
 def causal_mask(
@@ -63,18 +66,17 @@ def causal_mask(
     align: str = "top-left",
     device: torch.device | str | None = None,
 ) -> Tensor:
-    """Boolean (T_q, T_k) causal mask, ``True`` where a query may attend to a key.
+    """Causal mask (T_q, T_k), ``True`` where a query may attend to a key.
 
-    ``align="top-left"`` (query i sees keys 0..i) is
-    ``F.scaled_dot_product_attention``'s ``is_causal``;
+    A boolean tensor on ``device``. ``align="top-left"`` (query i sees keys
+    0..i) is ``F.scaled_dot_product_attention``'s ``is_causal``;
     ``align="bottom-right"`` (query i sees keys 0..i + T_k - T_q) is what the
     newest T_q tokens need when T_k - T_q earlier tokens sit in a key/value
     cache. It is :func:`mha.reference.causal_mask`, moved to torch: one
     definition of the mask.
     """
-    return torch.from_numpy(reference.causal_mask(t_q, t_k, align=align)).to(
-        device
-    )
+    mask = reference.causal_mask(t_q, t_k, align=align)  # NumPy, (T_q, T_k)
+    return torch.from_numpy(mask).to(device)
 
 
 def attention(
@@ -90,9 +92,9 @@ def attention(
 
     Args:
         q: (..., T_q, d_k); k: (..., T_k, d_k); v: (..., T_k, d_v).
-        mask: optional, broadcastable to (..., T_q, T_k): boolean (``True`` =
-        may attend) or
-            float (added to the scores; ``-inf`` blocks a key).
+        mask: optional, broadcastable to (..., T_q, T_k): boolean
+            (``True`` = may attend) or float (added to the scores; ``-inf``
+            blocks a key).
         dropout_p: probability of dropping a weight (pass 0.0 in evaluation).
         scale: default ``1 / sqrt(d_k)``.
 
@@ -106,15 +108,15 @@ def attention(
         scores = scores.masked_fill(~mask, float("-inf"))
     elif mask is not None:
         scores = scores + mask
-    weights = F.dropout(
-        torch.softmax(scores, dim=-1), p=dropout_p
-    )  # (..., T_q, T_k)
+    # (..., T_q, T_k)
+    weights = F.dropout(torch.softmax(scores, dim=-1), p=dropout_p)
     return weights @ v, weights  # (..., T_q, d_v), (..., T_q, T_k)
 
 
 class ReferenceWeights(NamedTuple):
-    """A layer's projections as the NumPy reference writes them: ``x @ w``, ``w`` (d_in, d_out).
+    """A layer's projections as the NumPy reference writes them.
 
+    Each weight is used as ``x @ w``, with ``w`` of shape (d_in, d_out).
     ``b_q``, ``b_k``, ``b_v``, ``b_o`` are the biases, or None for a layer
     without them.
     """
@@ -132,12 +134,14 @@ class ReferenceWeights(NamedTuple):
 def reference_weights(
     layer: nn.Module, dtype: np.dtype | type | None = None
 ) -> ReferenceWeights:
-    """The projections of a ``torch.nn.MultiheadAttention`` or :class:`mha.MultiHeadAttention`.
+    """The projections of a torch attention layer, in the reference's layout.
 
-    torch stores ``nn.Linear`` weights as (d_out, d_in), the transpose of the
-    reference's (d_in, d_out): each matrix is transposed; ``in_proj_weight``
-    (3D, D) is cut into W_Q, W_K, W_V. The arrays are C-ordered copies on the
-    CPU, in ``dtype`` (default: the layer's).
+    ``layer`` is a ``torch.nn.MultiheadAttention`` or
+    :class:`mha.MultiHeadAttention`. torch stores ``nn.Linear`` weights as
+    (d_out, d_in), the transpose of the reference's (d_in, d_out): each matrix
+    is transposed; ``in_proj_weight`` (3D, D) is cut into W_Q, W_K, W_V. The
+    arrays are C-ordered copies on the CPU, in ``dtype`` (default: the
+    layer's).
     """
     D = layer.embed_dim
 

@@ -2,8 +2,7 @@
 
 :class:`MultiHeadAttention` takes the same arguments, holds parameters with the
 same names and shapes (so ``load_state_dict`` works in both directions) and
-returns the same results, with
-these differences, each on purpose:
+returns the same results, with these differences, each on purpose:
 
 * ``batch_first=True`` by default: inputs are ``(B, T, D)``, the book's
   convention.
@@ -18,9 +17,9 @@ these differences, each on purpose:
 * Bad input raises ``ValueError`` / ``TypeError`` that names the argument.
 
 Two paths compute the attention core. ``need_weights=False`` calls
-``torch.nn.functional.scaled_dot_product_attention`` (fused kernels, no ``(B,
-H, T_q, T_k)`` weights kept); ``need_weights=True`` writes out scores, softmax
-and weights.
+``torch.nn.functional.scaled_dot_product_attention`` (fused kernels, no
+``(B, H, T_q, T_k)`` weights kept); ``need_weights=True`` writes out scores,
+softmax and weights.
 """
 
 from __future__ import annotations
@@ -44,24 +43,28 @@ __all__ = ["MultiHeadAttention"]
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention with the arguments, parameters and results of ``torch.nn.MultiheadAttention``.
+    """Multi-head attention, a drop-in for ``torch.nn.MultiheadAttention``.
+
+    It has the arguments, parameters and results of
+    ``torch.nn.MultiheadAttention``, with the differences listed below.
 
     Args:
         embed_dim: D, the model width; the output has D features. Must be
-        divisible by ``num_heads``. num_heads: H; each head works in ``d_k = D
-        / H`` dimensions. dropout: probability of dropping an attention weight
-        (train mode only). bias: add biases to the input and output
-        projections. kdim, vdim: feature sizes of ``key`` and ``value``
-        (default D). When either differs from D,
-            the projections are held separately as ``q_proj_weight`` (D, D),
-            ``k_proj_weight`` (D, kdim) and ``v_proj_weight`` (D, vdim);
-            otherwise fused in ``in_proj_weight`` (3D, D).
+            divisible by ``num_heads``.
+        num_heads: H; each head works in ``d_k = D / H`` dimensions.
+        dropout: probability of dropping an attention weight (train mode
+            only).
+        bias: add biases to the input and output projections.
+        kdim, vdim: feature sizes of ``key`` and ``value`` (default D). When
+            either differs from D, the projections are held separately as
+            ``q_proj_weight`` (D, D), ``k_proj_weight`` (D, kdim) and
+            ``v_proj_weight`` (D, vdim); otherwise fused in
+            ``in_proj_weight`` (3D, D).
         batch_first: inputs and outputs are ``(B, T, D)`` when True (the
-        default here, unlike
-            torch's False), ``(T, B, D)`` when False. Ignored for unbatched
-            ``(T, D)`` inputs.
+            default here, unlike torch's False), ``(T, B, D)`` when False.
+            Ignored for unbatched ``(T, D)`` inputs.
         device, dtype: where and in which floating type to create the
-        parameters.
+            parameters.
 
     Differences from ``torch.nn.MultiheadAttention``: ``batch_first`` defaults
     to True; a query row with no allowed key gets zero weights and zero head
@@ -119,16 +122,21 @@ class MultiHeadAttention(nn.Module):
             )
             self.register_parameter("in_proj_weight", None)
         if bias:
+            # [b_Q; b_K; b_V]
             self.in_proj_bias = nn.Parameter(
                 torch.empty(3 * embed_dim, **factory)
-            )  # [b_Q; b_K; b_V]
+            )
         else:
             self.register_parameter("in_proj_bias", None)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
-        """torch's initialisation: Xavier-uniform projection weights, zero biases."""
+        """torch's initialisation: Xavier-uniform weights, zero biases.
+
+        Xavier-uniform applies to the input projection weights; ``out_proj``
+        keeps the weight ``nn.Linear`` gave it. Biases start at zero.
+        """
         for weight in (
             self.in_proj_weight,
             self.q_proj_weight,
@@ -153,24 +161,27 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = False,
         head_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Attend from ``query`` over ``key`` / ``value``; return ``(output, weights or None)``.
+        """Attend from ``query`` over ``key`` / ``value``.
+
+        Returns ``(output, weights or None)``.
 
         Args:
             query: ``(B, T_q, D)`` (``(T_q, B, D)`` if not batch_first) or
-            unbatched ``(T_q, D)``. key: ``(B, T_k, kdim)``, same layout as
-            ``query``. value: ``(B, T_k, vdim)``, same layout as ``query``.
-            key_padding_mask: ``(B, T_k)`` (``(T_k,)`` unbatched): keys hidden
-            from every query. need_weights: return the attention weights
-            (explicit path) or None (fused SDPA path). attn_mask: ``(T_q,
-            T_k)`` or ``(B * H, T_q, T_k)``. average_attn_weights: average the
-            returned weights over heads. is_causal: query i may attend to keys
-            0..i only. With ``attn_mask`` given, that mask
-                is taken as the causal mask (torch's hint); with
-                ``attn_mask=None`` one is built.
+                unbatched ``(T_q, D)``.
+            key: ``(B, T_k, kdim)``, same layout as ``query``.
+            value: ``(B, T_k, vdim)``, same layout as ``query``.
+            key_padding_mask: ``(B, T_k)`` (``(T_k,)`` unbatched): keys
+                hidden from every query.
+            need_weights: return the attention weights (explicit path) or
+                None (fused SDPA path).
+            attn_mask: ``(T_q, T_k)`` or ``(B * H, T_q, T_k)``.
+            average_attn_weights: average the returned weights over heads.
+            is_causal: query i may attend to keys 0..i only. With
+                ``attn_mask`` given, that mask is taken as the causal mask
+                (torch's hint); with ``attn_mask=None`` one is built.
             head_mask: ``(H,)`` or ``(B, H)`` floats multiplying each head's
-            output before the
-                output projection (0 switches a head off). The returned weights
-                are not scaled.
+                output before the output projection (0 switches a head off).
+                The returned weights are not scaled.
 
         Masks: boolean ``True`` = not allowed; float masks are added to the
         scores.
@@ -182,9 +193,8 @@ class MultiHeadAttention(nn.Module):
             input drops the B axis.
         """
         batched = self._check_inputs(query, key, value)
-        self_attention = (
-            query is key and key is value
-        )  # one fused projection will do
+        # one fused projection will do
+        self_attention = query is key and key is value
         query, key, value = (
             self._batch_first(x, batched) for x in (query, key, value)
         )
@@ -203,12 +213,11 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._in_projection(query, key, value, self_attention)
         # 2. Split into heads: (B, H, T, d_k) each.
         q, k, v = (split_heads(x, self.head_dim) for x in (q, k, v))
-        # 3. Attend, every head at once: (B, H, T_q, d_k); weights (B, H, T_q,
-        # T_k) or None.
+        # 3. Attend, every head at once: (B, H, T_q, d_k);
+        #    weights (B, H, T_q, T_k) or None.
         heads, weights = self._attend(q, k, v, mask, need_weights)
-        if (
-            head_mask is not None
-        ):  # scale (switch off) whole heads: (1 or B, H, 1, 1)
+        if head_mask is not None:
+            # scale (switch off) whole heads: (1 or B, H, 1, 1)
             heads = heads * head_mask.to(heads.dtype).reshape(
                 -1, self.num_heads, 1, 1
             )
@@ -221,14 +230,11 @@ class MultiHeadAttention(nn.Module):
     def _in_projection(
         self, query: Tensor, key: Tensor, value: Tensor, self_attention: bool
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """(B, T, features) inputs -> queries, keys and values, (B, T, D) each."""
+        """(B, T, features) -> queries, keys and values, (B, T, D) each."""
         D = self.embed_dim
-        if (
-            self_attention and self._qkv_same_embed_dim
-        ):  # one matrix product for all three
-            qkv = F.linear(
-                query, self.in_proj_weight, self.in_proj_bias
-            )  # (B, T, 3D)
+        if self_attention and self._qkv_same_embed_dim:
+            # one matrix product for all three: (B, T, 3D)
+            qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)
             return qkv.split(D, dim=-1)  # (B, T, D) each, views
         if self._qkv_same_embed_dim:
             w_q, w_k, w_v = self.in_proj_weight.split(D)  # (D, D) each
@@ -250,12 +256,12 @@ class MultiHeadAttention(nn.Module):
     def _attend(
         self, q: Tensor, k: Tensor, v: Tensor, mask: _Mask, need_weights: bool
     ) -> tuple[Tensor, Tensor | None]:
-        """Attention on (B, H, T, d_k) heads, by one of two paths; empty rows give zeros.
+        """Attention on (B, H, T, d_k) heads, by one of two paths.
 
         ``need_weights=True`` writes out the (B, H, T_q, T_k) weights
         (:func:`attention`); ``need_weights=False`` hands the work to
         ``F.scaled_dot_product_attention``, whose fused kernels never keep the
-        weights.
+        weights. Empty rows (no allowed key) give zeros.
         """
         dropout_p = self.dropout if self.training else 0.0
         if need_weights:
@@ -272,9 +278,8 @@ class MultiHeadAttention(nn.Module):
                 is_causal=mask.is_causal,
             )
             weights = None
-        if (
-            mask.row_has_key is not None
-        ):  # rows with no allowed key: zero, not NaN
+        if mask.row_has_key is not None:
+            # rows with no allowed key: zero, not NaN
             heads = heads * mask.row_has_key
             weights = None if weights is None else weights * mask.row_has_key
         return heads, weights
@@ -290,14 +295,14 @@ class MultiHeadAttention(nn.Module):
         key: Tensor,
         batched: bool,
     ) -> _Mask:
-        """Check the masks, then turn them into one additive mask for the scores.
+        """Check the masks; turn them into one additive mask for the scores.
 
-        ``attn_mask`` and ``key_padding_mask`` become one float mask (0 =
-        allowed, -inf = blocked), ``(1 or B, 1 or H, T_q, T_k)``. Rows in which
-        every key is blocked are unblocked *before* the softmax and remembered
-        in ``row_has_key``, so no NaN is ever made; :meth:`_attend` zeroes them
-        afterwards. With ``is_causal`` and no other mask, SDPA's own causal
-        flag is used instead of a mask, where it can be.
+        ``attn_mask`` and ``key_padding_mask`` become one float mask
+        (0 = allowed, -inf = blocked), ``(1 or B, 1 or H, T_q, T_k)``. Rows in
+        which every key is blocked are unblocked *before* the softmax and
+        remembered in ``row_has_key``, so no NaN is ever made; :meth:`_attend`
+        zeroes them afterwards. With ``is_causal`` and no other mask, SDPA's
+        own causal flag is used instead of a mask, where it can be.
         """
         (B, T_q, _), T_k = query.shape, key.shape[1]
         self._check_masks(
@@ -306,32 +311,27 @@ class MultiHeadAttention(nn.Module):
         if is_causal and attn_mask is None:
             if key_padding_mask is None and not need_weights:
                 return _Mask(None, None, is_causal=True)
-            attn_mask = ~causal_mask(
-                T_q, T_k, device=query.device
-            )  # True = blocked
+            # True = blocked
+            attn_mask = ~causal_mask(T_q, T_k, device=query.device)
         additive = None
         if attn_mask is not None:
-            per_head = (
-                1 if attn_mask.dim() == 2 else self.num_heads
-            )  # a 2-D mask: every head
+            # a 2-D mask: every head
+            per_head = 1 if attn_mask.dim() == 2 else self.num_heads
             additive = _additive(attn_mask, query.dtype).reshape(
                 -1, per_head, T_q, T_k
             )
-        if (
-            key_padding_mask is not None
-        ):  # the same keys are hidden from every head and query
+        if key_padding_mask is not None:
+            # the same keys are hidden from every head and query
             padding = _additive(key_padding_mask, query.dtype).reshape(
                 B, 1, 1, T_k
             )
             additive = padding if additive is None else additive + padding
         if additive is None:
             return _Mask(None, None, is_causal=False)
-        row_has_key = (additive > float("-inf")).any(
-            dim=-1, keepdim=True
-        )  # (..., T_q, 1)
-        unblocked = additive.masked_fill(
-            ~row_has_key, 0.0
-        )  # softmax never sees a row of -inf
+        # (..., T_q, 1)
+        row_has_key = (additive > float("-inf")).any(dim=-1, keepdim=True)
+        # softmax never sees a row of -inf
+        unblocked = additive.masked_fill(~row_has_key, 0.0)
         return _Mask(unblocked, row_has_key.to(query.dtype), is_causal=False)
 
     def _batch_first(self, x: Tensor, batched: bool) -> Tensor:
@@ -347,19 +347,22 @@ class MultiHeadAttention(nn.Module):
         batched: bool,
         average_attn_weights: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        """(B, T_q, D) output and (B, H, T_q, T_k) weights -> the caller's layout."""
+        """(B, T_q, D) output, (B, H, T_q, T_k) weights -> caller's layout."""
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)  # (B, T_q, T_k)
         if not batched:
-            return output.squeeze(
-                0
-            ), None if weights is None else weights.squeeze(0)
+            return output.squeeze(0), (
+                None if weights is None else weights.squeeze(0)
+            )
         if not self.batch_first:
             output = output.transpose(0, 1)  # (T_q, B, D)
         return output, weights
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> bool:
-        """Check query/key/value; return True for batched (3-D) input, False for unbatched (2-D)."""
+        """Check query, key and value; return whether the input is batched.
+
+        True for batched (3-D) input, False for unbatched (2-D).
+        """
         for name, x in (("query", query), ("key", key), ("value", value)):
             if not isinstance(x, Tensor):
                 raise TypeError(
@@ -367,11 +370,13 @@ class MultiHeadAttention(nn.Module):
                 )
             if not x.is_floating_point():
                 raise TypeError(
-                    f"{name} must be a floating-point tensor, got dtype {x.dtype}"
+                    f"{name} must be a floating-point tensor, "
+                    f"got dtype {x.dtype}"
                 )
         if query.dim() not in (2, 3):
             raise ValueError(
-                f"query must have 3 dimensions (batched) or 2 (unbatched), got shape {tuple(query.shape)}"
+                "query must have 3 dimensions (batched) or 2 (unbatched), "
+                f"got shape {tuple(query.shape)}"
             )
         layout = (
             ("(B, T, {})" if self.batch_first else "(T, B, {})")
@@ -391,7 +396,8 @@ class MultiHeadAttention(nn.Module):
                     else f" (like query, {tuple(query.shape)})"
                 )
                 raise ValueError(
-                    f"{name} must have shape {expected}{like}, got shape {tuple(x.shape)}"
+                    f"{name} must have shape {expected}{like}, "
+                    f"got shape {tuple(x.shape)}"
                 )
         t_axis, b_axis = (1, 0) if self.batch_first else (0, 1)
         if query.dim() == 2:
@@ -400,8 +406,9 @@ class MultiHeadAttention(nn.Module):
             not query.shape[b_axis] == key.shape[b_axis] == value.shape[b_axis]
         ):
             raise ValueError(
-                "query, key and value must have the same batch size, got shapes "
-                f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}"
+                "query, key and value must have the same batch size, "
+                f"got shapes {tuple(query.shape)}, {tuple(key.shape)} "
+                f"and {tuple(value.shape)}"
             )
         if key.shape[t_axis] != value.shape[t_axis]:
             raise ValueError(
@@ -420,7 +427,10 @@ class MultiHeadAttention(nn.Module):
         T_k: int,
         batched: bool,
     ) -> None:
-        """Check the masks' types, shapes and values against B, T_q, T_k and H."""
+        """Check the masks' types, shapes and values.
+
+        Shapes are checked against B, T_q, T_k and H.
+        """
         H = self.num_heads
         if attn_mask is not None:
             stack = "B * num_heads" if batched else "num_heads"
@@ -445,12 +455,14 @@ class MultiHeadAttention(nn.Module):
                     else type(head_mask).__name__
                 )
                 raise TypeError(
-                    f"head_mask must be a float tensor of multipliers (1 keeps a head, 0 removes it), got {got}"
+                    "head_mask must be a float tensor of multipliers "
+                    f"(1 keeps a head, 0 removes it), got {got}"
                 )
             expected = {"(num_heads,)": (H,), "(B, num_heads)": (B, H)}
             if tuple(head_mask.shape) not in expected.values():
                 raise ValueError(
-                    f"head_mask must have shape {shape_text(expected)}, got shape {tuple(head_mask.shape)}"
+                    f"head_mask must have shape {shape_text(expected)}, "
+                    f"got shape {tuple(head_mask.shape)}"
                 )
 
 
@@ -469,7 +481,10 @@ class _Mask(NamedTuple):
 
 
 def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """Boolean mask (True = not allowed) -> 0 / -inf; a float mask is already additive."""
+    """Boolean mask (True = not allowed) -> 0 / -inf.
+
+    A float mask is already additive.
+    """
     if mask.dtype == torch.bool:
         blocked = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
         return blocked.masked_fill_(mask, float("-inf"))
@@ -479,23 +494,28 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
 def _check_mask(
     name: str, mask: Tensor, expected: dict[str, tuple[int, ...]]
 ) -> None:
-    """A mask must be bool or float, have one of the expected shapes, and hold no NaN or +inf."""
+    """Check one mask.
+
+    A mask must be bool or float, have one of the expected shapes, and hold no
+    NaN or +inf.
+    """
     if not isinstance(mask, Tensor):
         raise TypeError(
             f"{name} must be a torch.Tensor, got {type(mask).__name__}"
         )
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(
-            f"{name} must be a bool tensor (True = not allowed) or a float tensor (added to the scores), "
+            f"{name} must be a bool tensor (True = not allowed) "
+            "or a float tensor (added to the scores), "
             f"got dtype {mask.dtype}"
         )
     if tuple(mask.shape) not in expected.values():
         raise ValueError(
-            f"{name} must have shape {shape_text(expected)}, got shape {tuple(mask.shape)}"
+            f"{name} must have shape {shape_text(expected)}, "
+            f"got shape {tuple(mask.shape)}"
         )
-    if mask.is_floating_point() and not bool(
-        (mask < math.inf).all()
-    ):  # one pass: False for NaN and +inf
+    # one pass: False for NaN and +inf
+    if mask.is_floating_point() and not bool((mask < math.inf).all()):
         raise ValueError(
             f"{name} must not contain NaN or +inf (use -inf to block a key)"
         )

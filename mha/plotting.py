@@ -1,7 +1,8 @@
-"""Pictures for the book: attention maps, head grids, shape diagrams, benchmark plots.
+"""Pictures for the book.
 
-Every function draws from real arrays and returns the matplotlib objects it
-made, so a chapter can adjust or save them. Nothing here computes attention.
+Attention maps, head grids, shape diagrams and benchmark plots. Every function
+draws from real arrays and returns the matplotlib objects it made, so a chapter
+can adjust or save them. Nothing here computes attention.
 """
 
 from __future__ import annotations
@@ -26,17 +27,18 @@ __all__ = [
 ]
 
 
-#: The smallest font size any figure of the book uses, in points: at 100 dpi and
-#: the figure's own width, 7 points are 9.7 pixels on the page.
+#: The smallest font size any figure of the book uses, in points: at 100 dpi
+#: and the figure's own width, 7 points are 9.7 pixels on the page.
 MIN_FONT_SIZE = 7
 
 
 def book_style() -> None:
-    """Figures as the book shows them: text at least 7 points, sharp on dense screens.
+    """Figures as the book shows them.
 
-    Figures are at most 7.5 inches wide (the book's column at 100 dpi), so they
-    are shown at their own size, not shrunk; in a notebook they are sent at
-    twice the resolution ("retina"), with their size in CSS pixels attached.
+    Text is at least 7 points and sharp on dense screens. Figures are at most
+    7.5 inches wide (the book's column at 100 dpi), so they are shown at their
+    own size, not shrunk; in a notebook they are sent at twice the resolution
+    ("retina"), with their size in CSS pixels attached.
     """
     plt.rcParams.update(
         {
@@ -69,10 +71,10 @@ def plot_attention(
     vmax: float = 1.0,
     cmap: str = "Blues",
 ) -> Axes:
-    """Draw one (T_q, T_k) attention map: row i is query i, column j is key j, colour = weight.
+    """Draw one (T_q, T_k) attention map.
 
-    ``annotate`` writes each weight in its cell (default: when the map has at
-    most 12 x 12 cells).
+    Row i is query i, column j is key j, colour = weight. ``annotate`` writes
+    each weight in its cell (default: when the map has at most 12 x 12 cells).
     """
     weights = _check_map(weights)
     if ax is None:
@@ -98,16 +100,18 @@ def plot_head_grid(
     suptitle: str | None = None,
     annotate: bool = False,
 ) -> Figure:
-    """Draw a grid of attention maps from weights of shape (L, H, T_q, T_k) (or (H, T_q, T_k)).
+    """Draw a grid of attention maps from weights of shape (L, H, T_q, T_k).
 
-    Rows are layers (or whatever ``row_label`` names), columns are heads.
+    Weights of shape (H, T_q, T_k) give one row. Rows are layers (or whatever
+    ``row_label`` names), columns are heads.
     """
     weights = np.asarray(weights, dtype=float)
     if weights.ndim == 3:
         weights = weights[None]
     if weights.ndim != 4:
         raise ValueError(
-            f"weights must have shape (L, H, T_q, T_k) or (H, T_q, T_k), got shape {weights.shape}"
+            "weights must have shape (L, H, T_q, T_k) or (H, T_q, T_k), "
+            f"got shape {weights.shape}"
         )
     n_rows, n_heads = weights.shape[:2]
     fig, axes = plt.subplots(
@@ -150,7 +154,10 @@ def _draw_map(
     cmap: str = "Blues",
     fontsize: float | None = None,
 ):
-    """One (T_q, T_k) map on ``ax``: the image, tick labels, and the weights written in the cells."""
+    """One (T_q, T_k) map on ``ax``.
+
+    The image, tick labels, and the weights written in the cells.
+    """
     t_q, t_k = weights.shape
     image = ax.imshow(weights, cmap=cmap, vmin=0.0, vmax=vmax, aspect="equal")
     ax.set_xticks(
@@ -209,7 +216,8 @@ def plot_mask(
         mask = mask[None, :]
     if mask.ndim != 2:
         raise ValueError(
-            f"mask must have shape (T_q, T_k) or (T_k,), got shape {mask.shape}"
+            "mask must have shape (T_q, T_k) or (T_k,), "
+            f"got shape {mask.shape}"
         )
     t_q, t_k = mask.shape
     if ax is None:
@@ -264,7 +272,10 @@ def _flow_box(
     vmin: float | None = None,
     vmax: float | None = None,
 ) -> None:
-    """Draw ``values`` (rows, cols) as a heatmap filling the box [x0, x0 + cols] x [y0, y0 + rows]."""
+    """Draw ``values`` (rows, cols) as a heatmap filling a box.
+
+    The box is [x0, x0 + cols] x [y0, y0 + rows].
+    """
     rows, cols = values.shape
     if vmin is None or vmax is None:
         bound = float(np.max(np.abs(values))) or 1.0
@@ -301,7 +312,10 @@ def _flow_label(
     y: float,
     color: str = "black",
 ) -> None:
-    """Write ``name`` and its shape in two lines, centred under a box whose bottom edge is at ``y``."""
+    """Write ``name`` and its shape in two lines, centred under a box.
+
+    The box's bottom edge is at ``y``.
+    """
     ax.text(
         x,
         y - 0.3,
@@ -357,15 +371,15 @@ def plot_head_flow(
     *,
     title: str | None = None,
 ) -> Figure:
-    """Draw multi-head self-attention, head by head, from the real arrays of one forward pass.
+    """Draw multi-head self-attention, head by head, from real arrays.
 
-    Every matrix is a box whose width and height are its number of columns and
-    rows (one cell per entry, coloured by value), so the picture shows the
-    shapes exactly: ``x`` (T, D) -> per head ``queries[i]``, ``keys[i]``,
-    ``values[i]`` (T, d_k) -> ``weights[i]`` (T, T) -> ``heads[i]`` (T, d_k) ->
-    ``concat`` (T, H * d_k) -> ``output`` (T, D_out). Each head has its own
-    colour, also in its slice of ``concat``; ``output`` is grey because ``W_O``
-    mixes the heads.
+    The arrays are those of one forward pass. Every matrix is a box whose width
+    and height are its number of columns and rows (one cell per entry, coloured
+    by value), so the picture shows the shapes exactly: ``x`` (T, D) -> per
+    head ``queries[i]``, ``keys[i]``, ``values[i]`` (T, d_k) -> ``weights[i]``
+    (T, T) -> ``heads[i]`` (T, d_k) -> ``concat`` (T, H * d_k) -> ``output``
+    (T, D_out). Each head has its own colour, also in its slice of ``concat``;
+    ``output`` is grey because ``W_O`` mixes the heads.
     """
     x = np.asarray(x, dtype=float)
     concat = np.asarray(concat, dtype=float)
@@ -385,7 +399,8 @@ def plot_head_flow(
         len(arrays) != n_heads for arrays in per_head.values()
     ):
         raise ValueError(
-            "queries, keys, values, weights and heads must be non-empty and of the same length, got "
+            "queries, keys, values, weights and heads must be non-empty and "
+            "of the same length, got "
             + ", ".join(
                 f"{name} {len(arrays)}" for name, arrays in per_head.items()
             )
@@ -399,12 +414,14 @@ def plot_head_flow(
             if array.ndim != 2 or array.shape[0] != t or not cols_ok:
                 expected = f"({t}, {t})" if name == "weights" else f"({t}, d)"
                 raise ValueError(
-                    f"{name}[{i}] must have shape {expected}, got shape {array.shape}"
+                    f"{name}[{i}] must have shape {expected}, "
+                    f"got shape {array.shape}"
                 )
     widths = [h.shape[1] for h in per_head["heads"]]
     if concat.shape != (t, sum(widths)):
         raise ValueError(
-            f"concat must have shape ({t}, {sum(widths)}), got shape {concat.shape}"
+            f"concat must have shape ({t}, {sum(widths)}), "
+            f"got shape {concat.shape}"
         )
     if output.ndim != 2 or output.shape[0] != t:
         raise ValueError(
@@ -414,9 +431,8 @@ def plot_head_flow(
     gap = 3.0  # empty cells between boxes
     band = t + gap + 2.0  # height of one head's band, two-line labels included
     total_height = n_heads * band - gap
-    mid_y = (
-        total_height / 2 - t / 2
-    )  # y of the boxes that are shared by all heads
+    # y of the boxes that are shared by all heads
+    mid_y = total_height / 2 - t / 2
 
     qkv_x = d_model + 2 * gap
     qkv_width = (
@@ -515,9 +531,8 @@ def plot_head_flow(
             color,
         )
         head_mid = y0 + t / 2
-        if (
-            head_mid > mid_y + t
-        ):  # band above the concat box: arrive at the top of this head's slice
+        if head_mid > mid_y + t:
+            # band above the concat box: arrive at the top of this head's slice
             target = (concat_x + offset + widths[i] / 2, mid_y + t)
         elif head_mid < mid_y:  # band below: arrive at the bottom of the slice
             target = (concat_x + offset + widths[i] / 2, mid_y)
@@ -545,7 +560,8 @@ def plot_head_flow(
     ax.axis("off")
     ax.set_title(
         title
-        or f"Multi-head attention, {n_heads} heads: every box is drawn to its shape (one cell per entry)"
+        or f"Multi-head attention, {n_heads} heads: every box is drawn to its "
+        "shape (one cell per entry)"
     )
     fig.tight_layout()
     return fig
@@ -554,11 +570,15 @@ def plot_head_flow(
 def _trace_entries(
     source: np.ndarray, name: str
 ) -> dict[float, tuple[int, ...]]:
-    """Map each value of ``source`` to its index, so a moved entry can be traced back to where it came from."""
+    """Map each value of ``source`` to its index.
+
+    A moved entry can then be traced back to where it came from.
+    """
     flat = source.ravel().tolist()
     if len(set(flat)) != len(flat):
         raise ValueError(
-            f"{name} must hold distinct values so that each entry can be traced (np.arange works), "
+            f"{name} must hold distinct values so that each entry can be "
+            "traced (np.arange works), "
             f"got {len(flat) - len(set(flat))} repeated values"
         )
     return {
@@ -574,7 +594,11 @@ def _draw_cells(
     misplaced: np.ndarray,
     title: str,
 ) -> None:
-    """Draw a (rows, cols) grid: cell fill from ``fills`` (RGBA), the value written in it, red edge if misplaced."""
+    """Draw a (rows, cols) grid of cells.
+
+    A cell's fill comes from ``fills`` (RGBA), its value is written in it, and
+    its edge is red if it is misplaced.
+    """
     from matplotlib.patches import Rectangle
 
     whole = bool(np.all(np.equal(np.mod(values, 1), 0)))
@@ -624,14 +648,15 @@ def _head_colour(
 def plot_split_heads(
     x: ArrayLike, heads: ArrayLike, *, title: str | None = None
 ) -> Figure:
-    """Draw a (T, D) matrix with its columns coloured by head, next to the (H, T, d_k) stack made from it.
+    """Draw a (T, D) matrix next to the (H, T, d_k) stack made from it.
 
-    ``x`` must hold distinct values (``np.arange(T * D).reshape(T, D)`` is
-    ideal) so that every entry of ``heads`` can be traced back to the row
-    (token) and column (feature) it came from. In the stack, a cell takes the
-    colour of the head whose columns it came from; a cell that came from
-    another token's row or another head's columns is outlined in red. With the
-    correct split (reshape to (T, H, d_k), then move H forward) no cell is red.
+    The matrix's columns are coloured by head. ``x`` must hold distinct values
+    (``np.arange(T * D).reshape(T, D)`` is ideal) so that every entry of
+    ``heads`` can be traced back to the row (token) and column (feature) it
+    came from. In the stack, a cell takes the colour of the head whose columns
+    it came from; a cell that came from another token's row or another head's
+    columns is outlined in red. With the correct split (reshape to (T, H, d_k),
+    then move H forward) no cell is red.
     """
     x = np.asarray(x, dtype=float)
     heads = np.asarray(heads, dtype=float)
@@ -643,7 +668,8 @@ def plot_split_heads(
         or heads.shape[1] != x.shape[0]
     ):
         raise ValueError(
-            f"heads must have shape (H, T, d_k) with T = {x.shape[0]} and H * d_k = {x.shape[1]}, "
+            f"heads must have shape (H, T, d_k) with T = {x.shape[0]} "
+            f"and H * d_k = {x.shape[1]}, "
             f"got shape {heads.shape}"
         )
     t, d = x.shape
@@ -670,7 +696,8 @@ def plot_split_heads(
     for h in range(n_heads):
         if any(value not in origin for value in heads[h].ravel().tolist()):
             raise ValueError(
-                f"heads[{h}] holds values that are not in x: draw arrays made from x"
+                f"heads[{h}] holds values that are not in x: "
+                "draw arrays made from x"
             )
         sources = [
             [origin[value] for value in row] for row in heads[h].tolist()
@@ -693,7 +720,8 @@ def plot_split_heads(
         axes[1 + h].set_xlabel("feature in head", fontsize=8)
     fig.suptitle(
         title
-        or f"split: (T, D) = ({t}, {d})  ->  (H, T, d_k) = ({n_heads}, {t}, {d_k})",
+        or f"split: (T, D) = ({t}, {d})  ->  "
+        f"(H, T, d_k) = ({n_heads}, {t}, {d_k})",
         fontsize=10,
     )
     fig.tight_layout()
@@ -703,12 +731,12 @@ def plot_split_heads(
 def plot_merge_heads(
     heads: ArrayLike, merged: ArrayLike, *, title: str | None = None
 ) -> Figure:
-    """Draw an (H, T, d_k) stack next to the (T, D) matrix merged from it: the split read backwards.
+    """Draw an (H, T, d_k) stack next to the (T, D) matrix merged from it.
 
-    ``heads`` must hold distinct values. A cell of ``merged`` takes the colour
-    of the head it came from; it is outlined in red when it came from another
-    token, another head, or another position in the head than the (T, H, d_k)
-    order puts there.
+    This is the split read backwards. ``heads`` must hold distinct values. A
+    cell of ``merged`` takes the colour of the head it came from; it is
+    outlined in red when it came from another token, another head, or another
+    position in the head than the (T, H, d_k) order puts there.
     """
     heads = np.asarray(heads, dtype=float)
     merged = np.asarray(merged, dtype=float)
@@ -719,7 +747,8 @@ def plot_merge_heads(
     n_heads, t, d_k = heads.shape
     if merged.shape != (t, n_heads * d_k):
         raise ValueError(
-            f"merged must have shape (T, H * d_k) = ({t}, {n_heads * d_k}), got shape {merged.shape}"
+            f"merged must have shape (T, H * d_k) = ({t}, {n_heads * d_k}), "
+            f"got shape {merged.shape}"
         )
     d = n_heads * d_k
     origin = _trace_entries(heads, "heads")
@@ -744,7 +773,8 @@ def plot_merge_heads(
     axes[0].set_ylabel("token", fontsize=8)
     if any(value not in origin for value in merged.ravel().tolist()):
         raise ValueError(
-            "merged holds values that are not in heads: draw arrays made from heads"
+            "merged holds values that are not in heads: "
+            "draw arrays made from heads"
         )
     sources = [
         [origin[value] for value in row] for row in merged.tolist()
@@ -767,7 +797,8 @@ def plot_merge_heads(
     axes[-1].set_xlabel("feature (column)", fontsize=8)
     fig.suptitle(
         title
-        or f"merge: (H, T, d_k) = ({n_heads}, {t}, {d_k})  ->  (T, D) = ({t}, {d})",
+        or f"merge: (H, T, d_k) = ({n_heads}, {t}, {d_k})  ->  "
+        f"(T, D) = ({t}, {d})",
         fontsize=10,
     )
     fig.tight_layout()
@@ -786,17 +817,22 @@ def plot_benchmark(
     styles: dict[str, str] | None = None,
     log_y: bool = True,
 ) -> Axes:
-    """Plot ``field`` of a benchmark report against T, one line per implementation.
+    """Plot ``field`` of a benchmark report against T.
+
+    One line per implementation.
 
     Args:
         report: a report of ``python -m mha.bench``
-        (:func:`mha.bench.load_results`). series: implementation name -> label
-        in the legend, in drawing order. field: the row field to draw
-        (``median_s``, ``flop_per_s``, ``peak_memory_bytes``, ...). scale:
-        divide the values by this (``1e-3`` shows seconds as ms, ``2**20``
-        bytes as MiB). styles: implementation name -> matplotlib format string
-        (default ``"o-"``). log_y: a logarithmic y axis with ticks at 1, 2, 5
-        times powers of ten.
+            (:func:`mha.bench.load_results`).
+        series: implementation name -> label in the legend, in drawing order.
+        field: the row field to draw (``median_s``, ``flop_per_s``,
+            ``peak_memory_bytes``, ...).
+        scale: divide the values by this (``1e-3`` shows seconds as ms,
+            ``2**20`` bytes as MiB).
+        styles: implementation name -> matplotlib format string (default
+            ``"o-"``).
+        log_y: a logarithmic y axis with ticks at 1, 2, 5 times powers of
+            ten.
 
     T is on a base-2 logarithmic axis labelled with the measured lengths.
     """

@@ -1,12 +1,12 @@
-"""NumPy reference implementation of scaled dot-product and multi-head attention.
+"""NumPy reference for scaled dot-product and multi-head attention.
 
 Everything here is plain NumPy, written to be read: each public function is the
 math, and the argument checks live in ``_check_*`` helpers below it.
 Conventions (see the notation appendix):
 
 * Row vectors: a token is a row, a projection is ``x @ w`` with ``w`` of shape
-  ``(d_in, d_out)``. (``torch.nn.Linear`` stores the transpose, ``(d_out,
-  d_in)``.)
+  ``(d_in, d_out)``. (``torch.nn.Linear`` stores the transpose,
+  ``(d_out, d_in)``.)
 * Shapes: ``B`` batch, ``T`` sequence length (``T_q`` queries, ``T_k`` keys),
   ``D`` = d_model, ``H`` heads, ``d_k = D / H``.
 * Boolean masks: ``True`` = this query may attend to this key.
@@ -50,9 +50,8 @@ def softmax(x: ArrayLike, axis: int = -1) -> Array:
     """
     x = _check_scores(x)
     row_max = np.max(x, axis=axis, keepdims=True)
-    row_max = np.where(
-        np.isfinite(row_max), row_max, 0.0
-    )  # all -inf row: no -inf - -inf
+    # an all -inf row: avoid -inf - -inf
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
     exps = np.exp(x - row_max)
     totals = np.sum(exps, axis=axis, keepdims=True)
     return np.divide(exps, totals, out=np.zeros_like(exps), where=totals > 0)
@@ -77,8 +76,8 @@ def scaled_dot_product_attention(
         scale: factor applied to the dot products; default ``1 / sqrt(d_k)``.
 
     Returns:
-        ``(output, weights)`` with shapes ``(..., T_q, d_v)`` and ``(..., T_q,
-        T_k)``.
+        ``(output, weights)`` with shapes ``(..., T_q, d_v)`` and
+        ``(..., T_q, T_k)``.
     """
     q, k, v, mask = _check_attention_inputs(q, k, v, mask)
     if scale is None:
@@ -91,7 +90,10 @@ def scaled_dot_product_attention(
 
 
 def split_heads(x: ArrayLike, num_heads: int) -> Array:
-    """(..., T, D) -> (..., H, T, D / H): cut the feature axis into heads, then move heads forward."""
+    """(..., T, D) -> (..., H, T, D / H).
+
+    Cut the feature axis into heads, then move heads forward.
+    """
     x = _check_array("x", x, min_ndim=2, shape_text="(..., T, D)")
     *lead, t, d = x.shape
     d_k = _check_heads("the last dimension of x", d, num_heads)
@@ -100,12 +102,14 @@ def split_heads(x: ArrayLike, num_heads: int) -> Array:
 
 
 def merge_heads(x: ArrayLike) -> Array:
-    """(..., H, T, d_k) -> (..., T, H * d_k): the inverse of :func:`split_heads`."""
+    """(..., H, T, d_k) -> (..., T, H * d_k).
+
+    The inverse of :func:`split_heads`.
+    """
     x = _check_array("x", x, min_ndim=3, shape_text="(..., H, T, d_k)")
     *lead, h, t, d_k = x.shape
-    return np.swapaxes(x, -3, -2).reshape(
-        *lead, t, h * d_k
-    )  # (..., T, H, d_k) -> (..., T, D)
+    # (..., T, H, d_k) -> (..., T, D)
+    return np.swapaxes(x, -3, -2).reshape(*lead, t, h * d_k)
 
 
 def multi_head_attention_loop(
@@ -116,19 +120,21 @@ def multi_head_attention_loop(
     w_o: ArrayLike,
     mask: ArrayLike | None = None,
 ) -> tuple[Array, Array]:
-    """Multi-head self-attention, one head at a time: the form the definition is written in.
+    """Multi-head self-attention, one head at a time.
+
+    This is the form the definition is written in.
 
     Args:
         x: inputs, shape ``(T, D)`` or ``(B, T, D)``.
         w_q_heads, w_k_heads, w_v_heads: one matrix per head, each ``(D, d_k)``
             (``(D, d_v)`` for values).
         w_o: output projection, shape ``(H * d_v, D_out)``.
-        mask: optional boolean mask broadcastable to ``(..., H, T, T)``; True =
-        may attend.
+        mask: optional boolean mask broadcastable to ``(..., H, T, T)``;
+            True = may attend.
 
     Returns:
-        ``(output, weights)`` with shapes ``(..., T, D_out)`` and ``(..., H, T,
-        T)``.
+        ``(output, weights)`` with shapes ``(..., T, D_out)`` and
+        ``(..., H, T, T)``.
     """
     x, w_q_heads, w_k_heads, w_v_heads, w_o, head_masks = _check_loop_inputs(
         x, w_q_heads, w_k_heads, w_v_heads, w_o, mask
@@ -137,18 +143,14 @@ def multi_head_attention_loop(
     for w_q_i, w_k_i, w_v_i, mask_i in zip(
         w_q_heads, w_k_heads, w_v_heads, head_masks
     ):
-        q_i, k_i, v_i = (
-            x @ w_q_i,
-            x @ w_k_i,
-            x @ w_v_i,
-        )  # (..., T, d_k), (..., T, d_k), (..., T, d_v)
+        # (..., T, d_k), (..., T, d_k), (..., T, d_v)
+        q_i, k_i, v_i = x @ w_q_i, x @ w_k_i, x @ w_v_i
         out_i, weights_i = scaled_dot_product_attention(q_i, k_i, v_i, mask_i)
         outputs.append(out_i)  # (..., T, d_v)
         weights.append(weights_i)  # (..., T, T)
     concat = np.concatenate(outputs, axis=-1)  # (..., T, H * d_v)
-    return concat @ w_o, np.stack(
-        weights, axis=-3
-    )  # (..., T, D_out), (..., H, T, T)
+    # (..., T, D_out), (..., H, T, T)
+    return concat @ w_o, np.stack(weights, axis=-3)
 
 
 def multi_head_cross_attention(
@@ -161,7 +163,7 @@ def multi_head_cross_attention(
     num_heads: int,
     mask: ArrayLike | None = None,
 ) -> tuple[Array, Array]:
-    """Multi-head attention of queries from ``x_q`` over keys and values from ``x_kv``.
+    """Multi-head attention: queries from ``x_q``, keys/values from ``x_kv``.
 
     The fused form: one projection per role, then reshape and transpose to put
     heads on their own axis, so all heads run in one batched matrix product.
@@ -173,11 +175,11 @@ def multi_head_cross_attention(
             D must be divisible by num_heads.
         num_heads: H.
         mask: optional boolean mask broadcastable to ``(..., H, T_q, T_k)``;
-        True = may attend.
+            True = may attend.
 
     Returns:
-        ``(output, weights)`` with shapes ``(..., T_q, D_out)`` and ``(..., H,
-        T_q, T_k)``.
+        ``(output, weights)`` with shapes ``(..., T_q, D_out)`` and
+        ``(..., H, T_q, T_k)``.
     """
     x_q, x_kv, w_q, w_k, w_v, w_o = _check_projection_inputs(
         ("x_q", x_q), ("x_kv", x_kv), w_q, w_k, w_v, w_o, num_heads
@@ -185,12 +187,10 @@ def multi_head_cross_attention(
     q = split_heads(x_q @ w_q, num_heads)  # (..., H, T_q, d_k)
     k = split_heads(x_kv @ w_k, num_heads)  # (..., H, T_k, d_k)
     v = split_heads(x_kv @ w_v, num_heads)  # (..., H, T_k, d_k)
-    heads, weights = scaled_dot_product_attention(
-        q, k, v, mask
-    )  # (..., H, T_q, d_k)
-    return merge_heads(
-        heads
-    ) @ w_o, weights  # (..., T_q, D_out), (..., H, T_q, T_k)
+    # (..., H, T_q, d_k)
+    heads, weights = scaled_dot_product_attention(q, k, v, mask)
+    # (..., T_q, D_out), (..., H, T_q, T_k)
+    return merge_heads(heads) @ w_o, weights
 
 
 def multi_head_attention(
@@ -202,24 +202,24 @@ def multi_head_attention(
     num_heads: int,
     mask: ArrayLike | None = None,
 ) -> tuple[Array, Array]:
-    """Multi-head self-attention, fused: :func:`multi_head_cross_attention` with ``x_q = x_kv = x``.
+    """Multi-head self-attention, fused.
+
+    This is :func:`multi_head_cross_attention` with ``x_q = x_kv = x``.
 
     Args:
         x: inputs, shape ``(T, D)`` or ``(B, T, D)``.
         w_q, w_k, w_v: ``(D, D)`` projections (head i uses columns
-        ``i*d_k:(i+1)*d_k``);
-            w_o: ``(D, D_out)``.
+            ``i*d_k:(i+1)*d_k``); w_o: ``(D, D_out)``.
         num_heads: H; D must be divisible by H.
-        mask: optional boolean mask broadcastable to ``(..., H, T, T)``; True =
-        may attend.
+        mask: optional boolean mask broadcastable to ``(..., H, T, T)``;
+            True = may attend.
 
     Returns:
-        ``(output, weights)`` with shapes ``(..., T, D_out)`` and ``(..., H, T,
-        T)``.
+        ``(output, weights)`` with shapes ``(..., T, D_out)`` and
+        ``(..., H, T, T)``.
     """
-    _check_projection_inputs(
-        ("x", x), ("x", x), w_q, w_k, w_v, w_o, num_heads
-    )  # errors name x
+    # errors name x
+    _check_projection_inputs(("x", x), ("x", x), w_q, w_k, w_v, w_o, num_heads)
     return multi_head_cross_attention(
         x, x, w_q, w_k, w_v, w_o, num_heads, mask
     )
@@ -245,16 +245,17 @@ def causal_mask(
 
 
 def padding_mask(lengths: ArrayLike, max_len: int) -> NDArray[np.bool_]:
-    """Boolean (B, max_len) mask, True at the real tokens of each sequence and False at its padding.
+    """Boolean (B, max_len) mask, True at real tokens and False at padding.
 
-    For attention over keys, expand it to ``mask[:, None, None, :]``, shape (B,
-    1, 1, T_k): the same keys are hidden from every head and every query.
+    Sequence b has ``lengths[b]`` real tokens, then padding. For attention over
+    keys, expand the mask to ``mask[:, None, None, :]``, shape (B, 1, 1, T_k):
+    the same keys are hidden from every head and every query.
     """
     lengths = _check_lengths(lengths, max_len)
     return np.arange(max_len)[None, :] < lengths[:, None]
 
 
-# ---------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # Argument checks: each raises TypeError / ValueError naming the argument (see
 # mha._validate).
 
@@ -279,8 +280,8 @@ def _check_array(
     array = _as_float_array(name, value)
     if array.ndim < min_ndim:
         raise ValueError(
-            f"{name} must have shape {shape_text} (at least {min_ndim} dimensions), "
-            f"got shape {array.shape}"
+            f"{name} must have shape {shape_text} "
+            f"(at least {min_ndim} dimensions), got shape {array.shape}"
         )
     return array
 
@@ -326,17 +327,22 @@ def _check_scores(x: ArrayLike) -> Array:
 def _check_attention_inputs(
     q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None
 ) -> tuple[Array, Array, Array, NDArray[np.bool_] | None]:
-    """q (..., T_q, d_k), k (..., T_k, d_k), v (..., T_k, d_v), a boolean mask that broadcasts."""
+    """q (..., T_q, d_k), k (..., T_k, d_k), v (..., T_k, d_v) and a mask.
+
+    The mask must be a boolean array that broadcasts to the scores' shape.
+    """
     q = _check_array("q", q, min_ndim=2, shape_text="(..., T_q, d_k)")
     k = _check_array("k", k, min_ndim=2, shape_text="(..., T_k, d_k)")
     v = _check_array("v", v, min_ndim=2, shape_text="(..., T_k, d_v)")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(
-            f"q and k must have the same last dimension d_k, got q {q.shape} and k {k.shape}"
+            "q and k must have the same last dimension d_k, "
+            f"got q {q.shape} and k {k.shape}"
         )
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(
-            f"k and v must have the same number of positions T_k, got k {k.shape} and v {v.shape}"
+            "k and v must have the same number of positions T_k, "
+            f"got k {k.shape} and v {v.shape}"
         )
     try:
         batch_shape = np.broadcast_shapes(
@@ -344,15 +350,16 @@ def _check_attention_inputs(
         )
     except ValueError:
         raise ValueError(
-            f"the leading (batch/head) axes of q {q.shape}, k {k.shape} and v {v.shape} "
-            "do not broadcast"
+            f"the leading (batch/head) axes of q {q.shape}, k {k.shape} "
+            f"and v {v.shape} do not broadcast"
         ) from None
     if mask is None:
         return q, k, v, None
     mask = np.asarray(mask)
     if mask.dtype != bool:
         raise TypeError(
-            f"mask must be a boolean array (True = may attend), got dtype {mask.dtype}"
+            "mask must be a boolean array (True = may attend), "
+            f"got dtype {mask.dtype}"
         )
     scores_shape = batch_shape + (q.shape[-2], k.shape[-2])
     try:
@@ -361,8 +368,8 @@ def _check_attention_inputs(
         fits = False
     if not fits:
         raise ValueError(
-            f"mask must broadcast to the scores' shape {scores_shape} (..., T_q, T_k), "
-            f"got shape {mask.shape}"
+            f"mask must broadcast to the scores' shape {scores_shape} "
+            f"(..., T_q, T_k), got shape {mask.shape}"
         )
     return q, k, v, mask
 
@@ -382,7 +389,10 @@ def _check_loop_inputs(
     Array,
     list[NDArray[np.bool_] | None],
 ]:
-    """The inputs of :func:`multi_head_attention_loop`, with the mask cut into one per head."""
+    """The inputs of :func:`multi_head_attention_loop`.
+
+    The mask comes back cut into one mask per head.
+    """
     x = _check_inputs("x", x)
     w_o = _as_float_array("w_o", w_o)
     num_heads = len(w_q_heads)
@@ -392,8 +402,9 @@ def _check_loop_inputs(
         or len(w_v_heads) != num_heads
     ):
         raise ValueError(
-            "w_q_heads, w_k_heads and w_v_heads must be non-empty lists of the same length, "
-            f"got lengths {len(w_q_heads)}, {len(w_k_heads)} and {len(w_v_heads)}"
+            "w_q_heads, w_k_heads and w_v_heads must be non-empty lists "
+            "of the same length, got lengths "
+            f"{len(w_q_heads)}, {len(w_k_heads)} and {len(w_v_heads)}"
         )
     d_in = x.shape[-1]
     w_q, w_k, w_v = [], [], []
@@ -434,8 +445,8 @@ def _check_loop_inputs(
         return x, w_q, w_k, w_v, w_o, [mask] * num_heads
     if mask.shape[-3] not in (1, num_heads):
         raise ValueError(
-            f"mask's head axis (axis -3) must have size 1 or num_heads={num_heads}, "
-            f"got shape {mask.shape}"
+            "mask's head axis (axis -3) must have size 1 or "
+            f"num_heads={num_heads}, got shape {mask.shape}"
         )
     head_masks = [
         np.take(mask, i if mask.shape[-3] > 1 else 0, axis=-3)
@@ -453,15 +464,19 @@ def _check_projection_inputs(
     w_o: ArrayLike,
     num_heads: int,
 ) -> tuple[Array, Array, Array, Array, Array, Array]:
-    """The inputs of the fused forms; ``named_q``/``named_kv`` give the names errors use."""
+    """The inputs of the fused forms.
+
+    ``named_q``/``named_kv`` are (name, value) pairs; errors use the names.
+    """
     (q_name, x_q), (kv_name, x_kv) = named_q, named_kv
     x_q, x_kv = _check_inputs(q_name, x_q), _check_inputs(kv_name, x_kv)
     if x_q.ndim != x_kv.ndim or (
         x_q.ndim == 3 and x_q.shape[0] != x_kv.shape[0]
     ):
         raise ValueError(
-            f"{q_name} and {kv_name} must both be batched with the same batch size or both "
-            f"unbatched, got shapes {x_q.shape} and {x_kv.shape}"
+            f"{q_name} and {kv_name} must both be batched with the same "
+            "batch size or both unbatched, "
+            f"got shapes {x_q.shape} and {x_kv.shape}"
         )
     w_q, w_k, w_v, w_o = (
         _as_float_array(name, w)
@@ -492,6 +507,7 @@ def _check_lengths(lengths: ArrayLike, max_len: int) -> NDArray[np.integer]:
         )
     if lengths.size and (lengths.min() < 0 or lengths.max() > max_len):
         raise ValueError(
-            f"lengths must lie in [0, max_len={max_len}], got {lengths.tolist()}"
+            f"lengths must lie in [0, max_len={max_len}], "
+            f"got {lengths.tolist()}"
         )
     return lengths

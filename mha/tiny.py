@@ -9,8 +9,8 @@ position's previous token into it, and a head in layer 1 that matches on that
 copied information. Because the copy's place is random, no purely positional
 rule solves it.
 
-Shapes: ``N`` or ``B`` sequences, ``T`` positions, ``V`` vocabulary size, ``D``
-= d_model, ``L`` attention layers, ``H`` heads per layer.
+Shapes: ``N`` or ``B`` sequences, ``T`` positions, ``V`` vocabulary size,
+``D`` = d_model, ``L`` attention layers, ``H`` heads per layer.
 """
 
 from __future__ import annotations
@@ -46,15 +46,13 @@ class InductionData:
     Attributes:
         tokens: (N, T) int64 token ids.
         targets: (N, T) int64, ``targets[:, t] = tokens[:, t + 1]`` (the last
-        position repeats its own
-            token; it is never predictable).
+            position repeats its own token; it is never predictable).
         predictable: (N, T) bool, True where the next token can be inferred:
-        positions
-            ``copy_start .. copy_start + segment_len - 2``.
+            positions ``copy_start .. copy_start + segment_len - 2``.
         source_start: (N,) int64, where the segment first occurs.
-        copy_start: (N,) int64, where its second copy begins (``copy_start >=
-        source_start + segment_len``). segment_len: length of the repeated
-        segment.
+        copy_start: (N,) int64, where its second copy begins
+            (``copy_start >= source_start + segment_len``).
+        segment_len: length of the repeated segment.
     """
 
     tokens: Tensor
@@ -68,7 +66,10 @@ class InductionData:
         return self.tokens.shape[0]
 
     def __getitem__(self, index: slice | Tensor) -> InductionData:
-        """The sequences selected by ``index`` (a slice or an index tensor), as a new batch."""
+        """The sequences selected by ``index``, as a new batch.
+
+        ``index`` is a slice or an index tensor.
+        """
         return InductionData(
             self.tokens[index],
             self.targets[index],
@@ -90,10 +91,11 @@ def make_induction_data(
     """Draw ``num_sequences`` sequences of the induction task.
 
     Each sequence starts as ``seq_len - segment_len`` distinct tokens (a random
-    draw without replacement from ``range(vocab_size)``). A segment ``base[a :
-    a + segment_len]`` is then inserted again at position ``b >= a +
-    segment_len``, with ``a`` and ``b`` uniform over their allowed ranges. So
-    every token occurs once, except the segment's, which occur twice.
+    draw without replacement from ``range(vocab_size)``). A segment
+    ``base[a : a + segment_len]`` is then inserted again at position
+    ``b >= a + segment_len``, with ``a`` and ``b`` uniform over their allowed
+    ranges. So every token occurs once, except the segment's, which occur
+    twice.
     """
     check_int("num_sequences", num_sequences)
     check_int("segment_len", segment_len, minimum=2)
@@ -102,54 +104,52 @@ def make_induction_data(
     base_len = seq_len - segment_len
     if base_len < segment_len:
         raise ValueError(
-            f"seq_len must be >= 2 * segment_len = {2 * segment_len}, got seq_len={seq_len}"
+            f"seq_len must be >= 2 * segment_len = {2 * segment_len}, "
+            f"got seq_len={seq_len}"
         )
     if vocab_size < base_len:
         raise ValueError(
-            f"vocab_size must be >= seq_len - segment_len = {base_len} (tokens are distinct), got {vocab_size}"
+            f"vocab_size must be >= seq_len - segment_len = {base_len} "
+            f"(tokens are distinct), got {vocab_size}"
         )
     n = num_sequences
     # Distinct tokens per row: the first base_len entries of a random
     # permutation.
-    base = torch.rand(n, vocab_size, generator=generator).argsort(dim=1)[
-        :, :base_len
-    ]  # (N, base_len)
-    # Source start a in [0, base_len - segment_len]; insertion point b in [a +
-    # segment_len, base_len].
+    order = torch.rand(n, vocab_size, generator=generator).argsort(dim=1)
+    base = order[:, :base_len]  # (N, base_len)
+    # Source start a in [0, base_len - segment_len]; insertion point b in
+    # [a + segment_len, base_len].
     a = (
         torch.rand(n, generator=generator) * (base_len - segment_len + 1)
     ).long()  # (N,)
     span = base_len - (a + segment_len) + 1  # number of allowed b values, >= 1
-    b = (
-        a + segment_len + (torch.rand(n, generator=generator) * span).long()
-    )  # (N,)
+    # (N,)
+    b = a + segment_len + (torch.rand(n, generator=generator) * span).long()
 
     pos = torch.arange(seq_len)  # (T,)
     in_copy = (pos >= b[:, None]) & (pos < b[:, None] + segment_len)  # (N, T)
     # Where each output position reads from in `base`.
-    from_base = torch.where(
-        pos < b[:, None], pos, pos - segment_len
-    )  # (N, T) before / after the copy
+    # (N, T) before / after the copy
+    from_base = torch.where(pos < b[:, None], pos, pos - segment_len)
     from_seg = a[:, None] + (pos - b[:, None])  # (N, T) inside the copy
-    index = torch.where(
-        in_copy, from_seg, from_base
-    )  # (N, T), values in [0, base_len)
+    # (N, T), values in [0, base_len)
+    index = torch.where(in_copy, from_seg, from_base)
     tokens = base.gather(1, index)  # (N, T)
 
     targets = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # (N, T)
-    predictable = (pos >= b[:, None]) & (
-        pos < b[:, None] + segment_len - 1
-    )  # (N, T)
+    # (N, T)
+    predictable = (pos >= b[:, None]) & (pos < b[:, None] + segment_len - 1)
     return InductionData(tokens, targets, predictable, a, b, segment_len)
 
 
 class TinyTransformer(nn.Module):
-    """Token + learned position embeddings, ``num_layers`` attention layers, one MLP, an output head.
+    """Embeddings, ``num_layers`` attention layers, one MLP, an output head.
 
-    Each attention layer is pre-LayerNorm and residual: ``x = x +
-    attn(ln(x))``, with :class:`mha.MultiHeadAttention` (no biases, so a layer
-    whose heads are all switched off adds exactly zero). Then ``x = x +
-    mlp(ln(x))`` once, and ``logits = head(ln(x))``. Attention is causal.
+    The embeddings are token + learned position embeddings. Each attention
+    layer is pre-LayerNorm and residual: ``x = x + attn(ln(x))``, with
+    :class:`mha.MultiHeadAttention` (no biases, so a layer whose heads are all
+    switched off adds exactly zero). Then ``x = x + mlp(ln(x))`` once, and
+    ``logits = head(ln(x))``. Attention is causal.
     """
 
     def __init__(
@@ -207,7 +207,8 @@ class TinyTransformer(nn.Module):
         ]
         if tuple(head_mask.shape) not in shapes:
             raise ValueError(
-                f"head_mask must have shape (L, H) or (B, L, H) = {shapes}, got {tuple(head_mask.shape)}"
+                f"head_mask must have shape (L, H) or (B, L, H) = {shapes}, "
+                f"got {tuple(head_mask.shape)}"
             )
         return head_mask
 
@@ -222,11 +223,10 @@ class TinyTransformer(nn.Module):
         Args:
             tokens: (B, T) int64 with T <= max_len.
             head_mask: optional (L, H) or (B, L, H); entry (l, h) multiplies
-            head h of layer l
-                (1 = keep, 0 = switch off), passed on to that layer's
-                ``head_mask``.
+                head h of layer l (1 = keep, 0 = switch off), passed on to
+                that layer's ``head_mask``.
             return_weights: also return each layer's per-head attention
-            weights.
+                weights.
 
         Returns:
             logits (B, T, V) and, if ``return_weights``, a list of L tensors
@@ -239,17 +239,18 @@ class TinyTransformer(nn.Module):
         batch, seq_len = tokens.shape
         if seq_len > self.max_len:
             raise ValueError(
-                f"tokens has T={seq_len} positions, more than max_len={self.max_len}"
+                f"tokens has T={seq_len} positions, "
+                f"more than max_len={self.max_len}"
             )
         head_mask = self._check_head_mask(head_mask, batch)
-        x = self.tok_emb(tokens) + self.pos_emb(
-            torch.arange(seq_len, device=tokens.device)
-        )  # (B, T, D)
+        positions = torch.arange(seq_len, device=tokens.device)  # (T,)
+        x = self.tok_emb(tokens) + self.pos_emb(positions)  # (B, T, D)
         all_weights: list[Tensor] = []
         for layer, (norm, attn) in enumerate(zip(self.attn_norms, self.attns)):
+            # (H,) or (B, H)
             layer_mask = (
                 None if head_mask is None else head_mask[..., layer, :]
-            )  # (H,) or (B, H)
+            )
             h = norm(x)
             # is_causal=True: query t sees keys 0..t (the module builds the
             # mask, or SDPA applies it).
@@ -273,10 +274,12 @@ class TinyTransformer(nn.Module):
 def masked_loss_and_accuracy(
     logits: Tensor, data: InductionData
 ) -> tuple[Tensor, Tensor]:
-    """Mean cross-entropy and accuracy of (N, T, V) logits on the predictable positions only."""
-    picked = logits[
-        data.predictable
-    ]  # (P, V), P = number of predictable positions
+    """Mean cross-entropy and accuracy of (N, T, V) logits.
+
+    Only the predictable positions count.
+    """
+    # (P, V), P = number of predictable positions
+    picked = logits[data.predictable]
     target = data.targets[data.predictable]  # (P,)
     loss = F.cross_entropy(picked, target)
     accuracy = (picked.argmax(dim=-1) == target).float().mean()
@@ -289,7 +292,7 @@ def evaluate(
     data: InductionData,
     head_mask: Tensor | None = None,
 ) -> tuple[float, float]:
-    """(loss, accuracy) of ``model`` on ``data`` with an optional (L, H) head mask."""
+    """(loss, accuracy) of ``model`` on ``data``; optional (L, H) head mask."""
     model.eval()
     logits, _ = model(data.tokens, head_mask=head_mask)
     loss, accuracy = masked_loss_and_accuracy(logits, data)
@@ -299,12 +302,16 @@ def evaluate(
 def head_mask_without(
     model: TinyTransformer, removed: Iterable[tuple[int, int]]
 ) -> Tensor:
-    """(L, H) head mask of ones with a zero at each ``(layer, head)`` in ``removed``."""
+    """(L, H) head mask of ones with a zero at each head in ``removed``.
+
+    ``removed`` holds ``(layer, head)`` pairs.
+    """
     mask = torch.ones(model.num_layers, model.num_heads)  # (L, H)
     for layer, head in removed:
         if not (0 <= layer < model.num_layers and 0 <= head < model.num_heads):
             raise ValueError(
-                f"removed heads must be (layer, head) with layer < {model.num_layers} and head < {model.num_heads}, "
+                "removed heads must be (layer, head) with "
+                f"layer < {model.num_layers} and head < {model.num_heads}, "
                 f"got {(layer, head)}"
             )
         mask[layer, head] = 0.0
@@ -322,10 +329,11 @@ def train(
     segment_len: int = 6,
     log_every: int = 0,
 ) -> list[float]:
-    """Train with AdamW on fresh batches drawn from a generator seeded with ``seed``.
+    """Train with AdamW on fresh batches.
 
-    Returns the training loss of every step. Same model initialisation + same
-    seed + same thread count give the same numbers on the same machine.
+    The batches are drawn from a generator seeded with ``seed``. Returns the
+    training loss of every step. Same model initialisation + same seed + same
+    thread count give the same numbers on the same machine.
     """
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
@@ -366,10 +374,12 @@ def train(
 def head_scores(
     weights: list[Tensor] | Tensor, data: InductionData
 ) -> dict[str, Tensor]:
-    """Measure what each head attends to. ``weights``: L tensors (N, H, T, T), or one (L, N, H, T, T).
+    """Measure what each head attends to.
 
-    Returns a dict of (L, H) tensors, each the head's average attention weight
-    on:
+    ``weights``: L tensors (N, H, T, T), or one (L, N, H, T, T).
+
+    Returns a dict of (L, H) tensors, each the head's average attention
+    weight on:
 
     * ``"previous"``: key ``t - 1``, averaged over queries ``t >= 1``;
     * ``"previous_source"``: key ``t - 1``, over the queries of the first copy
@@ -383,16 +393,16 @@ def head_scores(
     * ``"induction"``: the token *after* that earlier occurrence, over the
       predictable queries (the answer to copy).
     """
+    # (L, N, H, T, T)
     w = (
         torch.stack(list(weights))
         if isinstance(weights, (list, tuple))
         else weights
-    )  # (L, N, H, T, T)
+    )
     seq_len = w.shape[-1]
     t = torch.arange(seq_len)
-    on_previous = w[
-        ..., t[1:], t[1:] - 1
-    ]  # (L, N, H, T - 1), queries 1 .. T - 1
+    # (L, N, H, T - 1), queries 1 .. T - 1
+    on_previous = w[..., t[1:], t[1:] - 1]
     previous = on_previous.mean(dim=(1, 3))  # (L, H)
     self_ = w[..., t[1:], t[1:]].mean(dim=(1, 3))  # (L, H)
     first = w[..., t[1:], 0].mean(dim=(1, 3))  # (L, H)
@@ -409,26 +419,20 @@ def head_scores(
     ).clamp(0, seq_len - 1)  # (N, T)
     after = (earlier + 1).clamp(max=seq_len - 1)  # (N, T)
     # Gather w[l, n, h, t, earlier[n, t]] for every (l, n, h, t).
-    idx_match = earlier[None, :, None, :, None].expand(
-        *w.shape[:-1], 1
-    )  # (L, N, H, T, 1)
-    idx_after = after[None, :, None, :, None].expand(
-        *w.shape[:-1], 1
-    )  # (L, N, H, T, 1)
+    # (L, N, H, T, 1) each
+    idx_match = earlier[None, :, None, :, None].expand(*w.shape[:-1], 1)
+    idx_after = after[None, :, None, :, None].expand(*w.shape[:-1], 1)
     on_match = w.gather(-1, idx_match)[..., 0]  # (L, N, H, T)
     on_after = w.gather(-1, idx_after)[..., 0]  # (L, N, H, T)
     sel_copy = in_copy[None, :, None, :].float()  # (1, N, 1, T)
     sel_pred = data.predictable[None, :, None, :].float()  # (1, N, 1, T)
-    sel_source = in_source[
-        None, :, None, 1:
-    ].float()  # (1, N, 1, T - 1), queries 1 .. T - 1 (a + 1 >= 1)
-    previous_source = (on_previous * sel_source).sum(
-        dim=(1, 3)
-    ) / sel_source.sum()  # (L, H)
+    # (1, N, 1, T - 1), queries 1 .. T - 1 (a + 1 >= 1)
+    sel_source = in_source[None, :, None, 1:].float()
+    source_total = (on_previous * sel_source).sum(dim=(1, 3))  # (L, H)
+    previous_source = source_total / sel_source.sum()  # (L, H)
     match = (on_match * sel_copy).sum(dim=(1, 3)) / sel_copy.sum()  # (L, H)
-    induction = (on_after * sel_pred).sum(
-        dim=(1, 3)
-    ) / sel_pred.sum()  # (L, H)
+    # (L, H)
+    induction = (on_after * sel_pred).sum(dim=(1, 3)) / sel_pred.sum()
     return {
         "previous": previous,
         "previous_source": previous_source,
@@ -444,13 +448,13 @@ def head_importance(
     data: InductionData,
     head_mask: Tensor | None = None,
 ) -> Tensor:
-    """Gradient-based head importance of Michel et al. (2019): ``I_h = mean_x |dL(x)/d xi_h|``.
+    """Gradient-based head importance of Michel et al. (2019).
 
-    ``xi`` is a (B, L, H) head mask, all ones or a copy of the (L, H)
-    ``head_mask`` for every example (to score the heads that are left after
-    some were removed); one backward pass of the summed per-example losses
-    gives every example's own derivative (example b's loss depends only on
-    ``xi[b]``). Returns (L, H).
+    ``I_h = mean_x |dL(x)/d xi_h|``, where ``xi`` is a (B, L, H) head mask,
+    all ones or a copy of the (L, H) ``head_mask`` for every example (to score
+    the heads that are left after some were removed); one backward pass of the
+    summed per-example losses gives every example's own derivative (example
+    b's loss depends only on ``xi[b]``). Returns (L, H).
     """
     model.eval()
     dtype = model.head.weight.dtype
@@ -459,9 +463,8 @@ def head_importance(
         if head_mask is None
         else head_mask.to(dtype)
     )
-    xi = (
-        base.expand(len(data), -1, -1).clone().requires_grad_(True)
-    )  # (B, L, H)
+    # (B, L, H)
+    xi = base.expand(len(data), -1, -1).clone().requires_grad_(True)
     logits, _ = model(data.tokens, head_mask=xi)
     picked = logits[data.predictable]  # (P, V)
     loss_per_position = F.cross_entropy(
@@ -469,9 +472,8 @@ def head_importance(
     )  # (P,)
     # Average over each example's predictable positions, then sum over
     # examples.
-    rows = data.predictable.nonzero()[
-        :, 0
-    ]  # (P,) which example each position belongs to
+    # (P,) which example each position belongs to
+    rows = data.predictable.nonzero()[:, 0]
     counts = data.predictable.sum(dim=1).clamp(min=1).float()  # (B,)
     loss = (loss_per_position / counts[rows]).sum()
     (grad,) = torch.autograd.grad(loss, xi)  # (B, L, H)

@@ -1,14 +1,15 @@
-"""The worked example of chapter 04: two heads, three tokens, d_model = 4, d_k = d_v = 2.
+"""The worked example of chapter 04: two heads, three tokens.
 
-Every matrix of the example lives here, once, so the chapter, the tests and the
-reader all use the same numbers. The arrays are read-only; copy one
-(``W_O.copy()``) to change it.
+The sizes are d_model = 4 and d_k = d_v = 2. Every matrix of the example lives
+here, once, so the chapter, the tests and the reader all use the same numbers.
+The arrays are read-only; copy one (``W_O.copy()``) to change it.
 
 Conventions (row vectors, as in :mod:`mha.reference`): token ``t`` is row
-``X[t]``, ``Q_i = X @ W_Q_HEADS[i]``, ``scores_i = Q_i @ K_i.T``, ``weights_i =
-softmax(scores_i / sqrt(d_k))`` row by row, ``head_i = weights_i @ V_i``,
-``concat = [head_1 | head_2]``, ``output = concat @ W_O``. Python counts heads
-from 0: ``W_Q_HEADS[0]`` is the book's W_Q1.
+``X[t]``, ``Q_i = X @ W_Q_HEADS[i]``, ``scores_i = Q_i @ K_i.T``,
+``weights_i = softmax(scores_i / sqrt(d_k))`` row by row,
+``head_i = weights_i @ V_i``, ``concat = [head_1 | head_2]``,
+``output = concat @ W_O``. Python counts heads from 0: ``W_Q_HEADS[0]`` is the
+book's W_Q1.
 
 What each matrix picks out of a token ``x = (x0, x1, x2, x3)``:
 
@@ -53,7 +54,10 @@ __all__ = [
 
 
 def _frozen(rows: Sequence[Sequence[float]]) -> NDArray[np.float64]:
-    """A read-only float64 array, so that no chapter can change the example by accident."""
+    """A read-only float64 array.
+
+    Read-only so that no chapter can change the example by accident.
+    """
     array = np.array(rows, dtype=np.float64)
     array.flags.writeable = False
     return array
@@ -88,35 +92,23 @@ W_V_HEADS = (
 )
 
 # Output projection, (H * d_v, D) = (4, 4). Row i says where concat feature i
-# goes.
-# Concat features 1 and 2 are zero for every input (W_V1's second column and
-# W_V2's
-# first column are zero), so their rows are zero too.
+# goes. Concat features 1 and 2 are zero for every input (W_V1's second column
+# and W_V2's first column are zero), so their rows are zero too.
 W_O = _frozen(
     [
-        [
-            1,
-            0,
-            1,
-            1,
-        ],  # head 1, value feature 0 -> output 0, and + into outputs 2 and 3
+        # head 1, value feature 0 -> output 0, and + into outputs 2 and 3
+        [1, 0, 1, 1],
         [0, 0, 0, 0],  # head 1, value feature 1 (always 0)
         [0, 0, 0, 0],  # head 2, value feature 0 (always 0)
-        [
-            0,
-            1,
-            1,
-            -1,
-            # head 2, value feature 1 -> output 1, + into output 2, - into output 3
-        ],
+        # head 2, value feature 1 -> output 1, + into output 2, - into output 3
+        [0, 1, 1, -1],
     ]
 )
 
-# The fused form: head i owns columns i*d_k:(i+1)*d_k. Each (D, H * d_k) = (4,
-# 4).
-W_Q = _frozen(
-    np.concatenate(W_Q_HEADS, axis=1)
-)  # the identity: Q = X, cut into two halves
+# The fused form: head i owns columns i*d_k:(i+1)*d_k. Each is
+# (D, H * d_k) = (4, 4).
+# W_Q is the identity: Q = X, cut into two halves.
+W_Q = _frozen(np.concatenate(W_Q_HEADS, axis=1))
 W_K = _frozen(np.concatenate(W_K_HEADS, axis=1))
 W_V = _frozen(np.concatenate(W_V_HEADS, axis=1))
 
@@ -129,10 +121,12 @@ class HeadSteps:
         q, k: ``(T, d_k)`` queries and keys, ``X @ W_Q_i`` and ``X @ W_K_i``.
         v: ``(T, d_v)`` values, ``X @ W_V_i``.
         scores: ``(T, T)`` raw dot products ``q @ k.T``; row t = query t,
-        column s = key s. scaled_scores: ``(T, T)`` ``scores * scale`` (scale =
-        1 / sqrt(d_k) unless chosen). weights: ``(T, T)`` row-wise softmax of
-        ``scaled_scores``; each row sums to 1. output: ``(T, d_v)`` ``weights @
-        v``.
+            column s = key s.
+        scaled_scores: ``(T, T)`` ``scores * scale`` (scale = 1 / sqrt(d_k)
+            unless chosen).
+        weights: ``(T, T)`` row-wise softmax of ``scaled_scores``; each row
+            sums to 1.
+        output: ``(T, d_v)`` ``weights @ v``.
     """
 
     q: NDArray[np.float64]
@@ -146,7 +140,9 @@ class HeadSteps:
 
 @dataclass(frozen=True)
 class WorkedExample:
-    """Every intermediate of the two-head example, and the same result from the reference functions.
+    """Every intermediate of the two-head example.
+
+    It also holds the same result from the reference functions.
 
     Attributes:
         heads: one :class:`HeadSteps` per head (``heads[0]`` is head 1).
@@ -156,9 +152,9 @@ class WorkedExample:
             :func:`mha.reference.multi_head_attention_loop` with the per-head
             matrices.
         fused_output, fused_weights: ``(T, D_out)`` and ``(H, T, T)`` from
-            :func:`mha.reference.multi_head_attention` with the fused ``[W_Q1 |
-            W_Q2]`` etc. (``None`` when a non-default scale is chosen: the
-            fused form always uses 1 / sqrt(d_k)).
+            :func:`mha.reference.multi_head_attention` with the fused
+            ``[W_Q1 | W_Q2]`` etc. (``None`` when a non-default scale is
+            chosen: the fused form always uses 1 / sqrt(d_k)).
     """
 
     heads: tuple[HeadSteps, ...]
@@ -191,14 +187,15 @@ def compute(
 
     Args:
         x: ``(T, D)`` tokens as rows.
-        w_q_heads, w_k_heads: per head ``(D, d_k)``; w_v_heads: per head ``(D,
-        d_v)``. w_o: ``(H * d_v, D_out)``. scale: factor on the dot products;
-        default ``1 / sqrt(d_k)``.
+        w_q_heads, w_k_heads: per head ``(D, d_k)``.
+        w_v_heads: per head ``(D, d_v)``.
+        w_o: ``(H * d_v, D_out)``.
+        scale: factor on the dot products; default ``1 / sqrt(d_k)``.
 
     Returns:
         A :class:`WorkedExample`. Loop and fused results are ``None`` when
-        ``scale`` is given (the reference functions always scale by ``1 /
-        sqrt(d_k)``).
+        ``scale`` is given (the reference functions always scale by
+        ``1 / sqrt(d_k)``).
     """
     x = np.asarray(x, dtype=np.float64)
     if x.ndim != 2:
@@ -210,7 +207,8 @@ def compute(
         or len(w_v_heads) != num_heads
     ):
         raise ValueError(
-            "w_q_heads, w_k_heads and w_v_heads must be non-empty and of the same length, got lengths "
+            "w_q_heads, w_k_heads and w_v_heads must be non-empty and "
+            "of the same length, got lengths "
             f"{len(w_q_heads)}, {len(w_k_heads)} and {len(w_v_heads)}"
         )
     heads = []
@@ -218,35 +216,33 @@ def compute(
         q = x @ np.asarray(w_q_i, dtype=np.float64)  # (T, d_k)
         k = x @ np.asarray(w_k_i, dtype=np.float64)  # (T, d_k)
         v = x @ np.asarray(w_v_i, dtype=np.float64)  # (T, d_v)
-        output, weights = scaled_dot_product_attention(
-            q, k, v, scale=scale
-        )  # (T, d_v), (T, T)
+        # (T, d_v), (T, T)
+        output, weights = scaled_dot_product_attention(q, k, v, scale=scale)
         head_scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
         scores = q @ k.T  # (T, T)
         heads.append(
             HeadSteps(q, k, v, scores, scores * head_scale, weights, output)
         )
-    concat = np.concatenate(
-        [head.output for head in heads], axis=-1
-    )  # (T, H * d_v)
+    # (T, H * d_v)
+    concat = np.concatenate([head.output for head in heads], axis=-1)
     w_o = np.asarray(w_o, dtype=np.float64)
     if w_o.ndim != 2 or w_o.shape[0] != concat.shape[-1]:
         raise ValueError(
-            f"w_o must have shape ({concat.shape[-1]}, D_out), got shape {w_o.shape}"
+            f"w_o must have shape ({concat.shape[-1]}, D_out), "
+            f"got shape {w_o.shape}"
         )
     loop = fused = (None, None)
     if scale is None:
+        # (T, D_out), (H, T, T)
         loop = multi_head_attention_loop(
             x, w_q_heads, w_k_heads, w_v_heads, w_o
-        )  # (T, D_out), (H, T, T)
+        )
         fused_w = [
             np.concatenate([np.asarray(w) for w in ws], axis=1)
             for ws in (w_q_heads, w_k_heads, w_v_heads)
         ]
-        if (
-            len({w.shape[1] for w in fused_w}) == 1
-        ):  # the fused form needs d_v = d_k
-            fused = multi_head_attention(
-                x, *fused_w, w_o, num_heads
-            )  # (T, D_out), (H, T, T)
+        # the fused form needs d_v = d_k
+        if len({w.shape[1] for w in fused_w}) == 1:
+            # (T, D_out), (H, T, T)
+            fused = multi_head_attention(x, *fused_w, w_o, num_heads)
     return WorkedExample(tuple(heads), concat, concat @ w_o, *loop, *fused)

@@ -29,7 +29,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
-    """Run a module's tests on one torch thread: on tiny tensors a second thread only adds waiting."""
+    """Run a module's tests on one torch thread.
+
+    On tiny tensors a second thread only adds waiting.
+    """
     import torch
 
     threads = torch.get_num_threads()

@@ -1,4 +1,7 @@
-"""Tests for mha.counting: parameter counts against torch, FLOP counts against an independent count."""
+"""Tests for mha.counting.
+
+Parameter counts against torch, FLOP counts against an independent count.
+"""
 
 from __future__ import annotations
 
@@ -78,7 +81,8 @@ def test_parameters_against_torch(d_model, num_heads, bias, kdim, vdim, add_bias
 
 
 def test_kdim_vdim_by_hand():
-    # D = 6, kdim = 4, vdim = 2: W_Q 6*6 = 36, W_K 4*6 = 24, W_V 2*6 = 12, W_O 6*6 = 36 -> 108; biases 4*6 = 24.
+    # D = 6, kdim = 4, vdim = 2: W_Q 6*6 = 36, W_K 4*6 = 24, W_V 2*6 = 12, W_O 6*6 = 36
+    # -> 108; biases 4*6 = 24.
     assert attention_parameters(6, 3, bias=False, kdim=4, vdim=2) == 108
     assert attention_parameters(6, 3, bias=True, kdim=4, vdim=2) == 132
 
@@ -180,7 +184,8 @@ def test_flops_against_counted_loops(batch, t, d_model, num_heads):
 
 
 def test_flops_by_hand():
-    # B = 1, T = 2, D = 4, H = 2: each projection is (2, 4) @ (4, 4): 2 * 4 * 4 = 32 MACs, 64 FLOPs; four: 256.
+    # B = 1, T = 2, D = 4, H = 2: each projection is (2, 4) @ (4, 4): 2 * 4 * 4 = 32 MACs,
+    # 64 FLOPs; four: 256.
     # Q K^T per head is (2, 2) @ (2, 2): 8 MACs; weights V the same; two heads: 32 MACs = 64 FLOPs.
     assert projection_flops(1, 2, 4) == 256
     assert attention_core_flops(1, 2, 4, 2) == 64
@@ -198,7 +203,8 @@ def test_flops_by_hand():
 
 
 def test_kv_cache_bytes_by_hand():
-    # Keys and values (2) x B=1 x T=4096 x L=32 x H_kv=32 x d_k=128 x 2 bytes = 2 GiB (Llama-2-7B, bf16).
+    # Keys and values (2) x B=1 x T=4096 x L=32 x H_kv=32 x d_k=128 x 2 bytes = 2 GiB
+    # (Llama-2-7B, bf16).
     assert kv_cache_bytes(1, 4096, 32, 32, 128) == 2 * 4096 * 32 * 32 * 128 * 2 == 2 * 2**30
     # Per token and layer with one key/value head of 64 float32 numbers: 2 x 64 x 4 bytes.
     assert kv_cache_bytes(1, 1, 1, 1, 64, bytes_per_element=4) == 512

@@ -166,9 +166,10 @@ def test_best_readout_two_exact_maps_is_zero():
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.5, 1.0])
 def test_best_readout_one_map_loses_half(alpha):
-    # One map alpha * previous + (1 - alpha) * partner. Per payload coordinate the best linear guess of
-    # u from z = alpha u + (1 - alpha) w (u, w independent, variance 1) leaves (1 - alpha)^2 / n of u's
-    # variance and alpha^2 / n of w's, n = alpha^2 + (1 - alpha)^2: together 1 out of 2, for every alpha.
+    # One map alpha * previous + (1 - alpha) * partner. Per payload coordinate the best
+    # linear guess of u from z = alpha u + (1 - alpha) w (u, w independent, variance 1)
+    # leaves (1 - alpha)^2 / n of u's variance and alpha^2 / n of w's,
+    # n = alpha^2 + (1 - alpha)^2: together 1 out of 2, for every alpha.
     batch = make_batch(4000, generator(11))
     mixed = alpha * one_hot_pattern(batch.previous) + (1 - alpha) * one_hot_pattern(batch.partner)
     assert abs(best_readout_loss(mixed[:, None], batch) - 0.5) < 0.02

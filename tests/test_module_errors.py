@@ -113,7 +113,8 @@ def test_key_feature_size(module: MultiHeadAttention, qkv) -> None:
     with pytest.raises(
         ValueError,
         match=esc(
-            f"key must have shape (B, T, kdim=5) (like query, {(B, T_Q, E)}), got shape {(B, T_K, 8)}"
+            f"key must have shape (B, T, kdim=5) (like query, {(B, T_Q, E)}), "
+            f"got shape {(B, T_K, 8)}"
         ),
     ):
         module(query, torch.randn(B, T_K, 8), value)
@@ -124,7 +125,8 @@ def test_value_feature_size(module: MultiHeadAttention, qkv) -> None:
     with pytest.raises(
         ValueError,
         match=esc(
-            f"value must have shape (B, T, vdim=6) (like query, {(B, T_Q, E)}), got shape {(B, T_K, 5)}"
+            f"value must have shape (B, T, vdim=6) (like query, {(B, T_Q, E)}), "
+            f"got shape {(B, T_K, 5)}"
         ),
     ):
         module(query, key, torch.randn(B, T_K, 5))
@@ -135,7 +137,8 @@ def test_batch_sizes_differ(module: MultiHeadAttention, qkv) -> None:
     with pytest.raises(
         ValueError,
         match=esc(
-            f"query, key and value must have the same batch size, got shapes {(B, T_Q, E)}, {(B + 1, T_K, 5)} and {(B, T_K, 6)}"
+            "query, key and value must have the same batch size, "
+            f"got shapes {(B, T_Q, E)}, {(B + 1, T_K, 5)} and {(B, T_K, 6)}"
         ),
     ):
         module(query, torch.randn(B + 1, T_K, 5), value)
@@ -156,7 +159,8 @@ def test_key_and_value_lengths_differ(module: MultiHeadAttention, qkv) -> None:
     with pytest.raises(
         ValueError,
         match=esc(
-            f"key and value must have the same length T_k, got shapes {(B, T_K, 5)} and {(B, T_K + 1, 6)}"
+            "key and value must have the same length T_k, "
+            f"got shapes {(B, T_K, 5)} and {(B, T_K + 1, 6)}"
         ),
     ):
         module(query, key, torch.randn(B, T_K + 1, 6))
@@ -195,7 +199,10 @@ def test_integer_query() -> None:
     ],
 )
 def test_attn_mask_shape(module: MultiHeadAttention, qkv, shape: tuple[int, ...]) -> None:
-    expected = f"attn_mask must have shape (T_q, T_k) = {(T_Q, T_K)} or (B * num_heads, T_q, T_k) = {(B * H, T_Q, T_K)}, got shape {shape}"
+    expected = (
+        f"attn_mask must have shape (T_q, T_k) = {(T_Q, T_K)} or "
+        f"(B * num_heads, T_q, T_k) = {(B * H, T_Q, T_K)}, got shape {shape}"
+    )
     with pytest.raises(ValueError, match=esc(expected)):
         module(*qkv, attn_mask=torch.zeros(shape, dtype=torch.bool))
 
@@ -242,7 +249,8 @@ def test_integer_mask(module: MultiHeadAttention, qkv, name: str, dtype: torch.d
     with pytest.raises(
         TypeError,
         match=esc(
-            f"{name} must be a bool tensor (True = not allowed) or a float tensor (added to the scores), got dtype {dtype}"
+            f"{name} must be a bool tensor (True = not allowed) "
+            f"or a float tensor (added to the scores), got dtype {dtype}"
         ),
     ):
         module(*qkv, **{name: torch.zeros(shape, dtype=dtype)})
@@ -273,7 +281,10 @@ def test_mask_not_a_tensor(module: MultiHeadAttention, qkv) -> None:
 
 @pytest.mark.parametrize("shape", [(H + 1,), (B + 1, H), (B, H, 1), (B, H + 1)])
 def test_head_mask_shape(module: MultiHeadAttention, qkv, shape: tuple[int, ...]) -> None:
-    expected = f"head_mask must have shape (num_heads,) = {(H,)} or (B, num_heads) = {(B, H)}, got shape {shape}"
+    expected = (
+        f"head_mask must have shape (num_heads,) = {(H,)} or "
+        f"(B, num_heads) = {(B, H)}, got shape {shape}"
+    )
     with pytest.raises(ValueError, match=esc(expected)):
         module(*qkv, head_mask=torch.ones(shape))
 
@@ -283,7 +294,8 @@ def test_head_mask_not_float(module: MultiHeadAttention, qkv, dtype: torch.dtype
     with pytest.raises(
         TypeError,
         match=esc(
-            f"head_mask must be a float tensor of multipliers (1 keeps a head, 0 removes it), got dtype {dtype}"
+            "head_mask must be a float tensor of multipliers "
+            f"(1 keeps a head, 0 removes it), got dtype {dtype}"
         ),
     ):
         module(*qkv, head_mask=torch.ones(H, dtype=dtype))

@@ -89,7 +89,10 @@ def configs(draw: st.DrawFn) -> Config:
 def make_masks(
     cfg: Config, rng: np.random.Generator
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Random masks in torch's convention (True = not allowed), leaving each query row an allowed key."""
+    """Random masks in torch's convention (True = not allowed).
+
+    Each query row is left an allowed key.
+    """
     b = cfg.batch or 1
     h, t_q, t_k = cfg.num_heads, cfg.t_q, cfg.t_k
     anchor = 0 if cfg.is_causal else int(rng.integers(t_k))  # a key the padding mask never hides

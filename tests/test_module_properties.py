@@ -336,7 +336,10 @@ def per_head_outputs(module: MultiHeadAttention, x: torch.Tensor) -> list[torch.
 
 @pytest.mark.parametrize("need_weights", [True, False])
 def test_head_mask_removes_a_head(need_weights: bool) -> None:
-    """Zeroing head h equals dropping its slice from the concatenation (and W_O's matching columns)."""
+    """Zeroing head h equals dropping its slice from the concatenation.
+
+    W_O's matching columns are dropped too.
+    """
     h, d_k = 4, 3
     module = module_with_biases(h * d_k, h)
     x = randn(2, 5, h * d_k)

@@ -22,7 +22,7 @@ from mha.reference import (
     split_heads,
 )
 
-# --------------------------------------------------------------------------- independent float64 model
+# ---------------------------------------------------------------- independent float64 model
 
 
 def naive_attention_row(q_row, keys, values, allowed):
@@ -48,7 +48,10 @@ def naive_attention_row(q_row, keys, values, allowed):
 
 
 def naive_mha(x_q, x_kv, w_q, w_k, w_v, w_o, num_heads, keep=None):
-    """Multi-head attention with loops. x_*: (B, T, D) float64 arrays; keep: (B, H, T_q, T_k) bool or None."""
+    """Multi-head attention with loops.
+
+    x_*: (B, T, D) float64 arrays; keep: (B, H, T_q, T_k) bool or None.
+    """
     batch, t_q, _ = x_q.shape
     t_k = x_kv.shape[1]
     d_model = w_q.shape[1]
@@ -92,7 +95,7 @@ def head_slices(w, num_heads):
     return [w[:, h * d_k : (h + 1) * d_k] for h in range(num_heads)]
 
 
-# --------------------------------------------------------------------------- softmax
+# ---------------------------------------------------------------- softmax
 
 
 def test_softmax_rows_sum_to_one_and_are_positive():
@@ -143,7 +146,7 @@ def test_softmax_rejects_nan_and_plus_inf():
         softmax(np.array(["a", "b"]))
 
 
-# --------------------------------------------------------------------------- scaled dot-product attention
+# ---------------------------------------------------------------- scaled dot-product attention
 
 
 def test_sdpa_by_hand():
@@ -222,7 +225,7 @@ def test_sdpa_errors_name_the_argument():
         scaled_dot_product_attention(np.ones((2, 3, 4)), np.ones((3, 5, 4)), np.ones((3, 5, 2)))
 
 
-# --------------------------------------------------------------------------- heads
+# ---------------------------------------------------------------- heads
 
 
 def test_split_and_merge_heads_by_hand_and_round_trip():
@@ -246,7 +249,7 @@ def test_split_heads_errors():
         split_heads(np.ones((2, 4)), 2.0)
 
 
-# --------------------------------------------------------------------------- multi-head attention
+# ---------------------------------------------------------------- multi-head attention
 
 
 CONFIGS = [
@@ -398,7 +401,7 @@ def test_mha_errors_name_the_argument():
         )
 
 
-# --------------------------------------------------------------------------- masks
+# ---------------------------------------------------------------- masks
 
 
 def test_causal_mask_by_hand():

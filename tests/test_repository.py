@@ -59,7 +59,8 @@ def test_notebooks_stored_from_one_fresh_run():
 
 
 def test_only_device_dependent_cells_ignore_their_output():
-    # NBVAL_IGNORE_OUTPUT is allowed only where the output depends on the machine (timings, devices).
+    # NBVAL_IGNORE_OUTPUT is allowed only where the output depends on the machine
+    # (timings, devices).
     allowed_words = (
         "time",
         "perf_counter",

@@ -221,7 +221,8 @@ def test_head_scores_on_hand_made_attention_patterns() -> None:
     previous[0, 0] = 1.0
     first = torch.zeros(T, T)
     first[:, 0] = 1.0
-    # An ideal induction head: at each predictable query, all weight on the answer's earlier position.
+    # An ideal induction head: at each predictable query, all weight on the answer's earlier
+    # position.
     induction = eye.repeat(n, 1, 1)  # (N, T, T)
     for i in range(n):
         a, b = int(data.source_start[i]), int(data.copy_start[i])
@@ -244,7 +245,8 @@ def test_head_scores_on_hand_made_attention_patterns() -> None:
     # Query 1's previous key is key 0: the previous-token and first-token heads overlap there only.
     torch.testing.assert_close(scores["previous"], torch.tensor([[0.0, 1.0, 1 / (T - 1), 0.0]]))
     torch.testing.assert_close(scores["first"], torch.tensor([[0.0, 1 / (T - 1), 1.0, 0.0]]))
-    # Over the first copy's positions a + 1 .. a + S - 1 (a >= 0, so key 0 is the previous key only when a = 0).
+    # Over the first copy's positions a + 1 .. a + S - 1 (a >= 0, so key 0 is the previous key
+    # only when a = 0).
     from_first = float((data.source_start == 0).sum()) / n / (S - 1)
     torch.testing.assert_close(
         scores["previous_source"], torch.tensor([[0.0, 1.0, from_first, 0.0]])

@@ -21,7 +21,7 @@ E = math.exp(
 )  # e^{1/sqrt(2)}: the weight of a key whose raw score is 1 more than the smallest
 
 
-# --- the matrices, exactly as given in the example ------------------------------------------------
+# --- the matrices, exactly as given in the example ---------------------------------------------
 
 
 def test_matrices_are_exactly_the_example() -> None:
@@ -59,7 +59,7 @@ def test_matrices_are_read_only() -> None:
             array[0, 0] = 5.0
 
 
-# --- hand derivation -------------------------------------------------------------------------------
+# --- hand derivation ---------------------------------------------------------------------------
 # Tokens: x_0 = (1, 0, 1, 0), x_1 = (0, 1, 0, 1), x_2 = (1, 1, 0, 0).
 #
 # Head 1: q = (x0, x1), k = (x1, x0), v = (x0 + x2, 0).
@@ -152,7 +152,8 @@ def test_head1_weights_closed_form(steps: we.WorkedExample) -> None:
 
 def test_head2_weights_closed_form(steps: we.WorkedExample) -> None:
     # Row 0 raw (0, 1, 0): (1, E, 1) / (2 + E).  Row 1 raw (1, 0, 0): (E, 1, 1) / (2 + E).
-    # Row 2 raw (0, 0, 0): a zero query scores every key alike, so the weights are uniform, 1/3 each.
+    # Row 2 raw (0, 0, 0): a zero query scores every key alike, so the weights are uniform,
+    # 1/3 each.
     expected = [
         [1 / (2 + E), E / (2 + E), 1 / (2 + E)],
         [E / (2 + E), 1 / (2 + E), 1 / (2 + E)],
@@ -163,7 +164,8 @@ def test_head2_weights_closed_form(steps: we.WorkedExample) -> None:
 
 # Head outputs, weights times values (only one value column is non-zero in each head):
 #   head 1, column 0 = 2 * w[t, 0] + 0 * w[t, 1] + 1 * w[t, 2]
-#     row 0: (2 + E) / (1 + 2E);  row 1: (2E + E) / (1 + 2E) = 3E / (1 + 2E);  row 2: (2 + E) / (2 + E) = 1
+#     row 0: (2 + E) / (1 + 2E);  row 1: (2E + E) / (1 + 2E) = 3E / (1 + 2E);
+#     row 2: (2 + E) / (2 + E) = 1
 #   head 2, column 1 = 1 * w[t, 0] + 1 * w[t, 1] + 2 * w[t, 2]
 #     row 0: (1 + E + 2) / (2 + E);  row 1: (E + 1 + 2) / (2 + E);  row 2: (1 + 1 + 2) / 3 = 4/3
 HEAD1_OUT = [
@@ -179,7 +181,8 @@ def test_head_outputs_concat_and_output(steps: we.WorkedExample) -> None:
     np.testing.assert_allclose(steps.heads[1].output, HEAD2_OUT, rtol=0, atol=TOL)
     concat = [h1 + h2 for h1, h2 in zip(HEAD1_OUT, HEAD2_OUT)]
     np.testing.assert_allclose(steps.concat, concat, rtol=0, atol=TOL)
-    # W_O: output = (a, b, a + b, a - b) with a = concat column 0 (head 1), b = concat column 3 (head 2).
+    # W_O: output = (a, b, a + b, a - b) with a = concat column 0 (head 1),
+    # b = concat column 3 (head 2).
     output = [[row[0], row[3], row[0] + row[3], row[0] - row[3]] for row in concat]
     np.testing.assert_allclose(steps.output, output, rtol=0, atol=TOL)
 

@@ -21,18 +21,23 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mha.bench",
         description=(
-            "Time one multi-head self-attention layer (B x T x D, D = heads x head-dim) in several "
-            "implementations, print a table and the ratios mha_module/sdpa_bare and torch_mha/mha_module, "
-            "and optionally write every figure with the environment to JSON or CSV."
+            "Time one multi-head self-attention layer "
+            "(B x T x D, D = heads x head-dim) in several implementations, "
+            "print a table and the ratios mha_module/sdpa_bare and "
+            "torch_mha/mha_module, and optionally write every figure with "
+            "the environment to JSON or CSV."
         ),
         epilog=(
             "Implementations: "
             + ", ".join(IMPLEMENTATIONS)
             + ". Scope 'layer' times the whole layer, "
-            "'core' only F.scaled_dot_product_attention on projected (B, H, T, d_k) inputs, 'projections' "
-            "the four linear maps. Examples: python -m mha.bench --device cpu;  "
-            "python -m mha.bench --memory --output benchmarks/cpu_memory.json;  "
-            "python -m mha.bench --device cuda --dtype bfloat16 --output gpu.json"
+            "'core' only F.scaled_dot_product_attention on projected "
+            "(B, H, T, d_k) inputs, 'projections' the four linear maps. "
+            "Examples: python -m mha.bench --device cpu;  "
+            "python -m mha.bench --memory "
+            "--output benchmarks/cpu_memory.json;  "
+            "python -m mha.bench --device cuda --dtype bfloat16 "
+            "--output gpu.json"
         ),
     )
     parser.add_argument(
@@ -66,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="T",
-        help=f"sequence lengths (default: {' '.join(map(str, DEFAULT_SEQ_LENS))}; "
+        help="sequence lengths (default: "
+        f"{' '.join(map(str, DEFAULT_SEQ_LENS))}; "
         f"{' '.join(map(str, MEMORY_SEQ_LENS))} with --memory)",
     )
     parser.add_argument(
@@ -75,8 +81,9 @@ def _parser() -> argparse.ArgumentParser:
         choices=tuple(IMPLEMENTATIONS),
         default=None,
         metavar="NAME",
-        help="implementations to run (default: those the device offers; on the CPU "
-        "every one but sdpa_efficient and sdpa_cudnn); --impl alone lists them",
+        help="implementations to run (default: those the device offers; "
+        "on the CPU every one but sdpa_efficient and sdpa_cudnn); "
+        "--impl alone lists them",
     )
     parser.add_argument(
         "--repeats",
@@ -88,15 +95,15 @@ def _parser() -> argparse.ArgumentParser:
         "--warmup",
         type=int,
         default=1,
-        help="untimed calls before timing, at least 1: the first one also checks that the "
-        "implementation can run here (default: 1)",
+        help="untimed calls before timing, at least 1: the first one also "
+        "checks that the implementation can run here (default: 1)",
     )
     parser.add_argument(
         "--min-time",
         type=float,
         default=1.0,
-        help="more rounds of calls for fast configurations, until the timed rounds of a T "
-        "take this many seconds (default: 1.0)",
+        help="more rounds of calls for fast configurations, until the timed "
+        "rounds of a T take this many seconds (default: 1.0)",
     )
     parser.add_argument(
         "--max-repeats",
@@ -112,22 +119,24 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--memory",
         action="store_true",
-        help="also measure peak extra memory per (impl, T): CUDA allocator peak on a GPU, "
-        "peak RSS in a fresh process on the CPU; defaults become B=1 and T up to 4096",
+        help="also measure peak extra memory per (impl, T): CUDA allocator "
+        "peak on a GPU, peak RSS in a fresh process on the CPU; defaults "
+        "become B=1 and T up to 4096",
     )
     parser.add_argument(
         "--threads",
         type=int,
         default=None,
-        help="torch intra-op threads (default: torch's, from OMP_NUM_THREADS); NumPy's BLAS "
-        "threads follow OMP_NUM_THREADS / OPENBLAS_NUM_THREADS set before start",
+        help="torch intra-op threads (default: torch's, from "
+        "OMP_NUM_THREADS); NumPy's BLAS threads follow OMP_NUM_THREADS / "
+        "OPENBLAS_NUM_THREADS set before start",
     )
     parser.add_argument(
         "--numpy-max-len",
         type=int,
         default=512,
-        help="skip the NumPy implementations above this T; at T = 2048, B = 8 one call "
-        "takes tens of seconds on 2 cores (default: 512)",
+        help="skip the NumPy implementations above this T; at T = 2048, "
+        "B = 8 one call takes tens of seconds on 2 cores (default: 512)",
     )
     parser.add_argument(
         "--output",

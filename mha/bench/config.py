@@ -1,4 +1,7 @@
-"""A benchmark configuration, and the weights and inputs every implementation shares."""
+"""A benchmark configuration, and the weights and inputs.
+
+Every implementation shares the same weights and inputs.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One benchmark configuration: B sequences of T tokens, H heads of width d_k."""
+    """One configuration: B sequences of T tokens, H heads of width d_k."""
 
     batch: int
     seq_len: int
@@ -40,9 +43,10 @@ class BenchConfig:
 
 
 def make_layer(config: BenchConfig, seed: int = 0) -> nn.MultiheadAttention:
-    """The weights every implementation uses: a seeded ``torch.nn.MultiheadAttention``, eval mode.
+    """The weights every implementation uses.
 
-    torch initialises the projection weights Xavier-uniform and the biases to
+    They are a seeded ``torch.nn.MultiheadAttention`` in eval mode. torch
+    initialises the projection weights Xavier-uniform and the biases to
     zero.
     """
     with torch.random.fork_rng(devices=[]):

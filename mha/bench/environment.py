@@ -1,4 +1,7 @@
-"""What the figures depend on: the device and its name, versions, threads, date and commit."""
+"""What the figures depend on.
+
+The device and its name, versions, threads, date and commit.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +30,10 @@ def _cpu_model() -> str:
 
 
 def _git_commit() -> tuple[str | None, bool | None]:
-    """(commit, True if tracked files differ from it) of the repository holding this file, if any."""
+    """(commit, dirty) of the repository holding this file, if any.
+
+    ``dirty`` is True if tracked files differ from the commit.
+    """
     root = Path(__file__).resolve().parent.parent
     try:
         commit = subprocess.run(
@@ -52,7 +58,11 @@ def _git_commit() -> tuple[str | None, bool | None]:
 
 
 def device_name(device: torch.device | str) -> str:
-    """The GPU's name (``torch.cuda.get_device_name``) or the CPU's model (from ``/proc/cpuinfo``)."""
+    """The GPU's name or the CPU's model.
+
+    The name comes from ``torch.cuda.get_device_name``, the model from
+    ``/proc/cpuinfo``.
+    """
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(
@@ -64,7 +74,10 @@ def device_name(device: torch.device | str) -> str:
 
 
 def environment(device: torch.device | str, dtype: str) -> dict[str, Any]:
-    """What the figures depend on: device and its name, versions, dtype, threads, date, commit."""
+    """What the figures depend on.
+
+    Device and its name, versions, dtype, threads, date, commit.
+    """
     device = torch.device(device)
     commit, dirty = _git_commit()
     capability = None

@@ -1,4 +1,4 @@
-"""The implementations that ``python -m mha.bench`` times, one registry entry each.
+"""What ``python -m mha.bench`` times: one registry entry per implementation.
 
 Every layer entry computes the same function with the same weights (those of
 one seeded ``torch.nn.MultiheadAttention``), in eval mode and without autograd;
@@ -37,30 +37,29 @@ BACKENDS: dict[str, SDPBackend] = {
 NUMPY_DTYPES = (torch.float32, torch.float64)
 
 
-# ---------------------------------------------------------------------------------------------
-# Two layers written out here: the textbook one and the floor of the module's
-# approach
+# -----------------------------------------------------------------------------
+# Two layers written out here: the textbook one and the floor of the
+# module's approach
 
 
 def textbook_attention(
     x: Tensor, layer: nn.MultiheadAttention, keep: Tensor | None = None
 ) -> Tensor:
-    """Multi-head self-attention written out, the (B, H, T, T) scores materialised.
+    """Multi-head self-attention written out, (B, H, T, T) scores materialised.
 
     Args:
         x: inputs, (B, T, D).
         layer: the weights: ``in_proj_weight`` (3D, D), ``out_proj`` (D, D),
-        and their biases. keep: optional boolean (T, T), True where a query may
-        attend.
+            and their biases.
+        keep: optional boolean (T, T), True where a query may attend.
 
     Returns:
         (B, T, D).
     """
     d_k = x.shape[-1] // layer.num_heads
     qkv = F.linear(x, layer.in_proj_weight, layer.in_proj_bias)  # (B, T, 3D)
-    q, k, v = (
-        split_heads(t, d_k) for t in qkv.chunk(3, dim=-1)
-    )  # (B, H, T, d_k) each
+    # (B, H, T, d_k) each
+    q, k, v = (split_heads(t, d_k) for t in qkv.chunk(3, dim=-1))
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d_k))  # (B, H, T, T)
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
@@ -72,28 +71,29 @@ def textbook_attention(
 def sdpa_attention(
     x: Tensor, layer: nn.MultiheadAttention, is_causal: bool = False
 ) -> Tensor:
-    """The same layer with the core handed to ``F.scaled_dot_product_attention``: nothing else.
+    """The same layer, its core handed to ``F.scaled_dot_product_attention``.
 
-    The floor of the module's approach: the projections, views and the one
-    fused attention call.
+    Nothing else is done. The floor of the module's approach: the
+    projections, views and the one fused attention call.
     """
     d_k = x.shape[-1] // layer.num_heads
     qkv = F.linear(x, layer.in_proj_weight, layer.in_proj_bias)  # (B, T, 3D)
-    q, k, v = (
-        split_heads(t, d_k) for t in qkv.chunk(3, dim=-1)
-    )  # (B, H, T, d_k) each
-    heads = F.scaled_dot_product_attention(
-        q, k, v, is_causal=is_causal
-    )  # (B, H, T, d_k)
+    # (B, H, T, d_k) each
+    q, k, v = (split_heads(t, d_k) for t in qkv.chunk(3, dim=-1))
+    # (B, H, T, d_k)
+    heads = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
     return layer.out_proj(merge_heads(heads))  # (B, T, D)
 
 
-# ---------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # The registry entries, in table order
 
 
 def _numpy_inputs(layer: nn.MultiheadAttention, x: Tensor, causal: bool):
-    """x, W_Q, W_K, W_V, W_O and the causal mask in the reference's layout (no biases there)."""
+    """x, W_Q, W_K, W_V, W_O and the causal mask in the reference's layout.
+
+    The reference has no biases.
+    """
     weights = reference_weights(layer)
     for name, bias in (
         ("in_proj_bias", weights.b_q),
@@ -101,7 +101,8 @@ def _numpy_inputs(layer: nn.MultiheadAttention, x: Tensor, causal: bool):
     ):
         if bias is not None and bool(np.any(bias)):
             raise Unsupported(
-                f"the NumPy reference has no biases, and the layer's {name} is not zero"
+                "the NumPy reference has no biases, "
+                f"and the layer's {name} is not zero"
             )
     mask = reference.causal_mask(x.shape[1]) if causal else None
     return x.cpu().numpy(), weights, mask
@@ -156,16 +157,24 @@ def mha_module(
     )
     module.load_state_dict(layer.state_dict())
     module.eval().requires_grad_(False)
-    # The module builds the causal mask itself and hands SDPA its is_causal
-    # flag.
+    # The module builds the causal mask itself and hands SDPA its
+    # is_causal flag.
     return lambda: module(x, x, x, need_weights=False, is_causal=causal)[0]
 
 
-@register("torch_mha", scope="layer")
+@register(
+    "torch_mha",
+    scope="layer",
+    summary="``torch.nn.MultiheadAttention``, ``need_weights=False`` "
+    "(its fast path).",
+)
 def torch_mha(layer: nn.MultiheadAttention, x: Tensor, causal: bool) -> Runner:
-    """``torch.nn.MultiheadAttention``, ``need_weights=False`` (its fast path)."""
-    # Same tensor as query, key and value: the condition for torch's self-
-    # attention fast path.
+    """``torch.nn.MultiheadAttention``, ``need_weights=False``.
+
+    This is its fast path.
+    """
+    # Same tensor as query, key and value: the condition for torch's
+    # self-attention fast path.
     # torch takes is_causal only as a hint that attn_mask is causal, so the
     # mask is given too.
     blocked = ~causal_mask(x.shape[1], device=x.device) if causal else None
@@ -174,9 +183,17 @@ def torch_mha(layer: nn.MultiheadAttention, x: Tensor, causal: bool) -> Runner:
     )[0]
 
 
-@register("sdpa_bare", scope="layer")
+@register(
+    "sdpa_bare",
+    scope="layer",
+    summary=":func:`sdpa_attention`: four ``F.linear`` around "
+    "``F.scaled_dot_product_attention``.",
+)
 def sdpa_bare(layer: nn.MultiheadAttention, x: Tensor, causal: bool) -> Runner:
-    """:func:`sdpa_attention`: four ``F.linear`` around ``F.scaled_dot_product_attention``."""
+    """Four ``F.linear`` around ``F.scaled_dot_product_attention``.
+
+    The layer as :func:`sdpa_attention` computes it.
+    """
     return lambda: sdpa_attention(x, layer, is_causal=causal)
 
 
@@ -190,9 +207,8 @@ def projections(
         q, k, v = F.linear(x, layer.in_proj_weight, layer.in_proj_bias).chunk(
             3, dim=-1
         )
-        return layer.out_proj(
-            v.contiguous()
-        )  # (B, T, D); the copy stands for the head merge
+        # (B, T, D); the copy stands for the head merge
+        return layer.out_proj(v.contiguous())
 
     return run
 
@@ -200,13 +216,11 @@ def projections(
 def _sdpa_core(backend: SDPBackend):
     def build(layer: nn.MultiheadAttention, x: Tensor, causal: bool) -> Runner:
         with torch.no_grad():  # the projections are made here, not timed
-            qkv = F.linear(
-                x, layer.in_proj_weight, layer.in_proj_bias
-            )  # (B, T, 3D)
+            # (B, T, 3D)
+            qkv = F.linear(x, layer.in_proj_weight, layer.in_proj_bias)
         d_k = x.shape[-1] // layer.num_heads
-        q, k, v = (
-            split_heads(t, d_k) for t in qkv.chunk(3, dim=-1)
-        )  # (B, H, T, d_k) each
+        # (B, H, T, d_k) each
+        q, k, v = (split_heads(t, d_k) for t in qkv.chunk(3, dim=-1))
 
         def core() -> Tensor:
             with sdpa_kernel(backend):
@@ -219,8 +233,8 @@ def _sdpa_core(backend: SDPBackend):
     return build
 
 
-# On the CPU, torch has a math and a flash kernel only: the other two run by
-# default on GPUs.
+# On the CPU, torch has a math and a flash kernel only: the other two run
+# by default on GPUs.
 for _short, _backend in BACKENDS.items():
     register(
         f"sdpa_{_short}",
@@ -228,5 +242,6 @@ for _short, _backend in BACKENDS.items():
         default_on=("cpu", "cuda")
         if _short in ("math", "flash")
         else ("cuda",),
-        summary=f"``F.scaled_dot_product_attention`` alone, forced to the {_short} backend",
+        summary="``F.scaled_dot_product_attention`` alone, "
+        f"forced to the {_short} backend",
     )(_sdpa_core(_backend))

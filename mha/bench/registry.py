@@ -37,8 +37,8 @@ __all__ = [
     "implementation_table",
 ]
 
-# : What a row times: the whole layer, the attention core on projected heads,
-# or the projections.
+#: What a row times: the whole layer, the attention core on projected
+#: heads, or the projections.
 SCOPES = ("layer", "core", "projections")
 
 Runner = Callable[[], object]
@@ -46,7 +46,10 @@ Builder = Callable[[nn.MultiheadAttention, Tensor, bool], Runner]
 
 
 class Unsupported(Exception):
-    """An implementation cannot run for this device, dtype or configuration; the message says why."""
+    """An implementation cannot run for this device, dtype or configuration.
+
+    The message says why.
+    """
 
 
 @dataclass(frozen=True)
@@ -56,8 +59,8 @@ class Implementation:
     Attributes:
         name: the name ``--impl`` takes and the tables print.
         scope: ``"layer"`` (returns (B, T, D)), ``"core"`` (returns the
-        attention output
-            (B, H, T, d_k)) or ``"projections"`` (returns (B, T, D)).
+            attention output (B, H, T, d_k)) or ``"projections"`` (returns
+            (B, T, D)).
         build: the builder (see the module docstring).
         devices: device types it runs on.
         dtypes: dtypes it runs in; None for every dtype.
@@ -76,7 +79,7 @@ class Implementation:
     def check_supported(
         self, device: torch.device, dtype: torch.dtype
     ) -> None:
-        """Raise :class:`Unsupported` (saying why) where the entry cannot run."""
+        """Raise :class:`Unsupported` (saying why) if the entry cannot run."""
         if device.type not in self.devices:
             raise Unsupported(
                 f"{self.name} runs on {' and '.join(self.devices)} only"
@@ -99,7 +102,11 @@ def register(
     default_on: tuple[str, ...] | None = None,
     summary: str = "",
 ) -> Callable[[Builder], Builder]:
-    """Decorator: add the builder it decorates to :data:`IMPLEMENTATIONS` under ``name``."""
+    """Decorator: add the builder it decorates to :data:`IMPLEMENTATIONS`.
+
+    The entry is stored under ``name``. Without ``summary``, the table of
+    implementations shows the first line of the builder's docstring.
+    """
     if scope not in SCOPES:
         raise ValueError(
             f"scope must be one of {', '.join(SCOPES)}, got {scope!r}"
@@ -127,7 +134,8 @@ def build_runner(
 
     Raises:
         Unsupported: ``impl`` cannot run on this device or dtype (the message
-        says why). ValueError: unknown ``impl``.
+            says why).
+        ValueError: unknown ``impl``.
     """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(
@@ -139,10 +147,10 @@ def build_runner(
 
 
 def default_impls(device: torch.device | str) -> list[str]:
-    """The implementations of a run that names none: those whose ``default_on`` has ``device``.
+    """The implementations of a run that names none.
 
-    Others can still be asked for by name; where they cannot run they are
-    reported as skipped.
+    They are those whose ``default_on`` has ``device``. Others can still be
+    asked for by name; where they cannot run they are reported as skipped.
     """
     device_type = torch.device(device).type
     return [

@@ -1,4 +1,7 @@
-"""Reading and writing reports: figures of one row, paired time ratios, tables, JSON and CSV."""
+"""Reading and writing reports.
+
+Figures of one row, paired time ratios, tables, JSON and CSV.
+"""
 
 from __future__ import annotations
 
@@ -35,7 +38,10 @@ MIB = 2**20
 def lookup(
     report: dict[str, Any], impl: str, seq_len: int, field: str = "median_s"
 ) -> float | None:
-    """One figure of a report: ``field`` of the measured row (impl, T), or None if there is none."""
+    """One figure of a report: ``field`` of the measured row (impl, T).
+
+    None if there is none.
+    """
     for row in report["results"]:
         if (
             row["impl"] == impl
@@ -63,7 +69,10 @@ def _row(
 def _time_ratio(
     report: dict[str, Any], numerator: str, denominator: str, seq_len: int
 ) -> float | None:
-    """Median of the per-round ratios of two implementations' times (see :func:`ratios`)."""
+    """Median of the per-round ratios of two implementations' times.
+
+    See :func:`ratios`.
+    """
     a, b = _row(report, numerator, seq_len), _row(report, denominator, seq_len)
     if a is None or b is None:
         return None
@@ -74,13 +83,14 @@ def _time_ratio(
 
 
 def ratios(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per T, the time ratios of :data:`RATIO_PAIRS` (and the ratios of peak memory, if measured).
+    """Per T, the time ratios of :data:`RATIO_PAIRS`, and of peak memory.
 
-    A time ratio is the median, over the timing rounds, of the ratio of the two
-    calls made in the same round (``times_s`` of both rows, in round order):
-    calls made seconds apart share the machine's state, so a shared machine's
-    changing load cancels out better than in a ratio of medians. Rows without
-    paired ``times_s`` fall back to the ratio of their medians.
+    The ratios of peak memory are there if memory was measured. A time ratio is
+    the median, over the timing rounds, of the ratio of the two calls made in
+    the same round (``times_s`` of both rows, in round order): calls made
+    seconds apart share the machine's state, so a shared machine's changing
+    load cancels out better than in a ratio of medians. Rows without paired
+    ``times_s`` fall back to the ratio of their medians.
     ``"mha_module/sdpa_bare": 1.05`` means the module took 5 % longer than the
     bare floor; ``"torch_mha/mha_module": 2.0`` means torch's layer took twice
     as long as the module.
@@ -104,17 +114,20 @@ def ratios(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The results as a text table (one block per T) followed by the ratio table."""
+    """The results as a text table, one block per T, then the ratio table."""
     env, config = report["environment"], report["config"]
     on_gpu = env["device"] == "cuda"
     unit, scale = ("TFLOP/s", 1e12) if on_gpu else ("GFLOP/s", 1e9)
     memory = bool(config.get("memory"))
     lines = [
-        f"{env['device_name']} ({env['device']}), torch {env['torch_version']}, numpy {env['numpy_version']}, "
+        f"{env['device_name']} ({env['device']}), "
+        f"torch {env['torch_version']}, numpy {env['numpy_version']}, "
         f"{env['dtype']}, {env['threads']} threads, {env['date_utc']}",
-        f"B={config['batch']} H={config['heads']} d_k={config['head_dim']} D={config['embed_dim']}"
-        f"{' causal' if config['causal'] else ''}; median of >= {config['repeats']} calls "
-        f"({config['timer']}); a layer row's core rate = core FLOPs / layer time",
+        f"B={config['batch']} H={config['heads']} "
+        f"d_k={config['head_dim']} D={config['embed_dim']}"
+        f"{' causal' if config['causal'] else ''}; "
+        f"median of >= {config['repeats']} calls ({config['timer']}); "
+        "a layer row's core rate = core FLOPs / layer time",
         "",
     ]
     header = (
@@ -136,8 +149,8 @@ def format_table(report: dict[str, Any]) -> str:
             for rate, w in zip(rates, (15, 14, 14))
         ]
         line = (
-            f"{row['seq_len']:>6}  {row['impl']:<16} {row['scope']:<11} {row['median_s'] * 1e3:>11.3f} "
-            + " ".join(cells)
+            f"{row['seq_len']:>6}  {row['impl']:<16} {row['scope']:<11} "
+            f"{row['median_s'] * 1e3:>11.3f} " + " ".join(cells)
         )
         if memory:
             peak = row.get("peak_memory_bytes")
@@ -168,7 +181,8 @@ def format_table(report: dict[str, Any]) -> str:
         if keys:
             lines += [
                 "",
-                "time ratios (median of per-round ratios; peak memory where marked), from this run:",
+                "time ratios (median of per-round ratios; peak memory where "
+                "marked), from this run:",
             ]
             widths = [max(len(key), 8) for key in keys]
             lines.append(
@@ -211,7 +225,10 @@ CSV_FIELDS = (
 
 
 def write_results(report: dict[str, Any], path: str | Path) -> Path:
-    """Write ``report`` as JSON (``.json``) or CSV (``.csv``, the environment repeated on each row)."""
+    """Write ``report`` as JSON (``.json``) or CSV (``.csv``).
+
+    The CSV repeats the environment on each row.
+    """
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in (".json", ".csv"):
@@ -261,7 +278,10 @@ def load_results(path: str | Path) -> dict[str, Any]:
 def series(
     report: dict[str, Any], impl: str, field: str = "median_s"
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(seq_lens, values)`` of one implementation's measured rows, for plotting: two 1-D arrays."""
+    """``(seq_lens, values)`` of one implementation's measured rows.
+
+    Two 1-D arrays, for plotting.
+    """
     pairs = [
         (row["seq_len"], row[field])
         for row in report["results"]

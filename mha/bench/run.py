@@ -1,4 +1,7 @@
-"""The benchmark: build every runner per T, time them in interleaved rounds, collect the rows."""
+"""The benchmark: build every runner per T, time them, collect the rows.
+
+The runners of one T are timed in interleaved rounds.
+"""
 
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ def _resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError(
-            "device 'cuda' was asked for, but torch.cuda.is_available() is False"
+            "device 'cuda' was asked for, "
+            "but torch.cuda.is_available() is False"
         )
     if device not in ("cpu", "cuda"):
         raise ValueError(
@@ -90,8 +94,9 @@ def run_benchmark(
     numpy_max_len: int = 512,
     quiet: bool = False,
 ) -> dict[str, Any]:
-    """Run the benchmark and return a JSON-ready dict: ``environment``, ``config``, ``results``, ``ratios``.
+    """Run the benchmark and return a JSON-ready dict.
 
+    The dict holds ``environment``, ``config``, ``results`` and ``ratios``.
     ``results`` holds one row per (implementation, T) with ``status`` ``"ok"``
     or ``"skipped"`` (and the ``reason``). See the module docstring for how
     times and memory are measured.
@@ -102,7 +107,8 @@ def run_benchmark(
     unknown = [name for name in impls if name not in IMPLEMENTATIONS]
     if unknown:
         raise ValueError(
-            f"impls must be among {', '.join(IMPLEMENTATIONS)}, got unknown {unknown}"
+            f"impls must be among {', '.join(IMPLEMENTATIONS)}, "
+            f"got unknown {unknown}"
         )
     if threads is not None:
         torch.set_num_threads(threads)
@@ -133,8 +139,9 @@ def run_benchmark(
         ),
     }
     _log(
-        f"mha.bench: {env['device_name']} ({torch_device.type}), torch {env['torch_version']}, "
-        f"{dtype}, {env['threads']} threads, B={batch} H={heads} d_k={head_dim}, T in {list(seq_lens)}",
+        f"mha.bench: {env['device_name']} ({torch_device.type}), "
+        f"torch {env['torch_version']}, {dtype}, {env['threads']} threads, "
+        f"B={batch} H={heads} d_k={head_dim}, T in {list(seq_lens)}",
         quiet,
     )
 
@@ -171,7 +178,8 @@ def run_benchmark(
             try:
                 if impl.startswith("numpy_") and seq_len > numpy_max_len:
                     raise Unsupported(
-                        f"NumPy implementations run up to T = {numpy_max_len} (--numpy-max-len)"
+                        "NumPy implementations run up to "
+                        f"T = {numpy_max_len} (--numpy-max-len)"
                     )
                 runner = build_runner(impl, layer, x, causal)
                 for _ in range(warmup):
@@ -180,13 +188,13 @@ def run_benchmark(
             except Unsupported as why:
                 row.update(status="skipped", reason=str(why))
         _log(
-            f"[{index}/{len(seq_lens)}] T={seq_len}: timing {len(runners)} implementations",
+            f"[{index}/{len(seq_lens)}] T={seq_len}: "
+            f"timing {len(runners)} implementations",
             quiet,
         )
         # NumPy (OpenBLAS threads) and torch (OpenMP threads) are timed apart:
-        # interleaved, each
-        # library's idle threads would still be spinning when the other's call
-        # starts.
+        # interleaved, each library's idle threads would still be spinning
+        # when the other's call starts.
         times: dict[str, list[float]] = {}
         for family in (
             lambda name: name.startswith("numpy_"),
@@ -219,9 +227,8 @@ def run_benchmark(
                     q3_s=quartiles[2],
                     repeats=len(samples),
                     **_rates(row, median),
-                    times_s=times[
-                        impl
-                    ],  # in round order, for the paired ratios
+                    # in round order, for the paired ratios
+                    times_s=times[impl],
                 )
                 if memory:
                     if torch_device.type == "cuda":
@@ -244,7 +251,8 @@ def run_benchmark(
                     else ""
                 )
                 _log(
-                    f"    {impl:<16} {median * 1e3:10.3f} ms  {row['flop_per_s'] / 1e9:8.1f} GFLOP/s "
+                    f"    {impl:<16} {median * 1e3:10.3f} ms  "
+                    f"{row['flop_per_s'] / 1e9:8.1f} GFLOP/s "
                     f"({row['scope']}){memory_text}",
                     quiet,
                 )
@@ -262,11 +270,12 @@ def run_benchmark(
 
 
 def _rates(row: dict[str, Any], seconds: float) -> dict[str, float | None]:
-    """FLOP/s of a row: of its scope, and of the layer, the core and the projections where defined.
+    """FLOP/s of a row: of its scope, and of the layer, core and projections.
 
-    A layer row's ``core_flop_per_s`` divides the core's FLOPs by the whole
-    layer's time (a lower bound on the rate of its core); a core row has no
-    layer rate, a projections row only its own.
+    The last three only where defined. A layer row's ``core_flop_per_s``
+    divides the core's FLOPs by the whole layer's time (a lower bound on the
+    rate of its core); a core row has no layer rate, a projections row only its
+    own.
     """
     scope = row["scope"]
     return {

@@ -1,4 +1,7 @@
-"""Timing and peak memory of one runner: CUDA events on a GPU, ``time.perf_counter`` on the CPU."""
+"""Timing and peak memory of one runner.
+
+Times come from CUDA events on a GPU and from ``time.perf_counter`` on the CPU.
+"""
 
 from __future__ import annotations
 
@@ -36,7 +39,10 @@ def synchronize(device: torch.device) -> None:
 
 
 def probe(runner: Callable[[], object], device: torch.device) -> float:
-    """Run once, untimed but for the seconds returned. A kernel that cannot run raises :class:`Unsupported`."""
+    """Run once, untimed but for the seconds returned.
+
+    A kernel that cannot run raises :class:`Unsupported`.
+    """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         start = time.perf_counter()
@@ -56,7 +62,10 @@ def probe(runner: Callable[[], object], device: torch.device) -> float:
 
 
 def time_call(runner: Callable[[], object], device: torch.device) -> float:
-    """Seconds for one call: CUDA events around it on a GPU, ``time.perf_counter`` on the CPU."""
+    """Seconds for one call.
+
+    CUDA events around it on a GPU, ``time.perf_counter`` on the CPU.
+    """
     with torch.no_grad():
         if device.type == "cuda":
             start, end = (
@@ -80,14 +89,14 @@ def time_interleaved(
     min_time: float,
     max_repeats: int,
 ) -> dict[str, list[float]]:
-    """Time every runner in interleaved rounds, each round in a fresh (seeded) random order.
+    """Time every runner in interleaved rounds, each in a fresh random order.
 
-    The order changes so that no implementation always follows the same one: a
-    call that frees a large tensor makes the next call's allocations fault in
-    fresh pages, which would otherwise always be charged to the same neighbour.
-    Rounds continue until every runner has ``repeats`` calls and the rounds
-    have taken ``min_time`` seconds in all (fast configurations get more
-    calls), or until ``max_repeats`` rounds.
+    The random orders are seeded. The order changes so that no implementation
+    always follows the same one: a call that frees a large tensor makes the
+    next call's allocations fault in fresh pages, which would otherwise always
+    be charged to the same neighbour. Rounds continue until every runner has
+    ``repeats`` calls and the rounds have taken ``min_time`` seconds in all
+    (fast configurations get more calls), or until ``max_repeats`` rounds.
     """
     names = list(runners)
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -106,7 +115,10 @@ def time_interleaved(
 
 
 def cuda_peak_bytes(runner: Callable[[], object], device: torch.device) -> int:
-    """Peak memory allocated during one call, above what was allocated just before it."""
+    """Peak memory allocated during one call.
+
+    It is counted above what was allocated just before the call.
+    """
     gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -132,7 +144,10 @@ def _proc_status_kib(field: str) -> int | None:
 
 
 def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS counter (VmHWM) to the current RSS; False where not possible."""
+    """Reset the kernel's peak-RSS counter (VmHWM) to the current RSS.
+
+    Returns False where that is not possible.
+    """
     try:
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")
@@ -142,13 +157,15 @@ def _reset_peak_rss() -> bool:
 
 
 def cpu_peak_probe(spec: dict[str, Any]) -> dict[str, Any]:
-    """In a fresh process: peak extra resident memory of one call of one implementation."""
+    """Peak extra resident memory of one call of one implementation.
+
+    Runs in a fresh process.
+    """
     torch.set_num_threads(int(spec["threads"]))
     config = BenchConfig(**spec["config"])
     causal = config.causal
     # A first call at a tiny size loads the code paths and starts the thread
-    # pool, so that the
-    # measured call pays only for its own tensors.
+    # pool, so that the measured call pays only for its own tensors.
     small = replace(config, seq_len=min(config.seq_len, 16))
     warm_layer, warm_x = make_layer(small), make_input(small)
     with torch.no_grad():
@@ -163,9 +180,9 @@ def cpu_peak_probe(spec: dict[str, Any]) -> dict[str, Any]:
         with torch.no_grad():
             output = runner()
         peak_kib = _proc_status_kib("VmHWM")
-    # peak RSS of the whole process so far; the call's own peak if it is the
-    # largest
     else:
+        # peak RSS of the whole process so far; the call's own peak if it is
+        # the largest
         method = "ru_maxrss"
         baseline_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         with torch.no_grad():
@@ -181,7 +198,10 @@ def cpu_peak_probe(spec: dict[str, Any]) -> dict[str, Any]:
 def cpu_peak_bytes(
     impl: str, config: BenchConfig, threads: int, timeout: float = 600.0
 ) -> tuple[int, str]:
-    """Run :func:`cpu_peak_probe` in a fresh Python process and return (peak bytes, method)."""
+    """Run :func:`cpu_peak_probe` in a fresh Python process.
+
+    Returns (peak bytes, method).
+    """
     spec = {"impl": impl, "config": asdict(config), "threads": threads}
     env = dict(
         os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)
@@ -202,7 +222,8 @@ def cpu_peak_bytes(
     )
     if completed.returncode != 0:
         raise RuntimeError(
-            f"memory probe for {impl} at T={config.seq_len} failed:\n{completed.stderr[-2000:]}"
+            f"memory probe for {impl} at T={config.seq_len} failed:\n"
+            f"{completed.stderr[-2000:]}"
         )
     answer = json.loads(completed.stdout.strip().splitlines()[-1])
     return int(answer["peak_bytes"]), str(answer["method"])

@@ -1,4 +1,7 @@
-"""Checks of the built HTML: every chapter is there, nothing loads from another host, links resolve."""
+"""Checks of the built HTML.
+
+Every chapter is there, nothing loads from another host, links resolve.
+"""
 
 from __future__ import annotations
 
