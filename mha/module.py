@@ -1,20 +1,23 @@
 """PyTorch multi-head attention: a drop-in for ``torch.nn.MultiheadAttention``.
 
-:class:`MultiHeadAttention` takes the same arguments, holds parameters with the
-same names and shapes (so ``load_state_dict`` works in both directions) and
-returns the same results, with these differences, each on purpose:
+:class:`MultiHeadAttention` takes the same arguments with the same defaults,
+holds parameters with the same names, shapes and initialisation (so
+``load_state_dict`` works in both directions) and returns the same results.
+It differs only where torch gives NaN or an unclear error, each on purpose:
 
-* ``batch_first=True`` by default: inputs are ``(B, T, D)``, the book's
-  convention.
 * A query row whose keys are all masked gets zero weights and a zero attention
   output, never NaN, in the forward pass and in gradients
   (``torch.nn.MultiheadAttention`` gives NaN there with ``need_weights=True``).
-  The output projection then returns its bias for that row: zero with
-  ``bias=False`` or with torch's zero-initialised bias.
-* ``is_causal=True`` works without ``attn_mask`` (a causal mask is built).
+  The output projection then returns its bias for that row.
+* ``is_causal=True`` works without ``attn_mask`` (a causal mask is built);
+  torch raises an error there. With ``attn_mask`` given, the mask is used as
+  given; torch may ignore it, and ours checks its shape.
+* Extra keys (``add_bias_kv``, ``add_zero_attn``) stay visible to every query
+  under every mask; torch hides them on its ``is_causal`` fast route.
 * ``head_mask`` multiplies each head's output, to switch heads off without
   retraining.
-* Bad input raises ``ValueError`` / ``TypeError`` that names the argument.
+* Bad input raises ``ValueError`` / ``TypeError`` naming the argument, where
+  torch raises ``AssertionError`` or ``RuntimeError`` from deep inside.
 
 Two paths compute the attention core. ``need_weights=False`` calls
 ``torch.nn.functional.scaled_dot_product_attention`` (fused kernels, no
@@ -45,9 +48,6 @@ __all__ = ["MultiHeadAttention"]
 class MultiHeadAttention(nn.Module):
     """Multi-head attention, a drop-in for ``torch.nn.MultiheadAttention``.
 
-    It has the arguments, parameters and results of
-    ``torch.nn.MultiheadAttention``, with the differences listed below.
-
     Args:
         embed_dim: D, the model width; the output has D features. Must be
             divisible by ``num_heads``.
@@ -55,23 +55,37 @@ class MultiHeadAttention(nn.Module):
         dropout: probability of dropping an attention weight (train mode
             only).
         bias: add biases to the input and output projections.
+        add_bias_kv: append a learned key ``bias_k`` and value ``bias_v``,
+            (1, 1, D) each, to the keys and values of every sequence.
+        add_zero_attn: append a key and a value of zeros.
         kdim, vdim: feature sizes of ``key`` and ``value`` (default D). When
             either differs from D, the projections are held separately as
             ``q_proj_weight`` (D, D), ``k_proj_weight`` (D, kdim) and
             ``v_proj_weight`` (D, vdim); otherwise fused in
             ``in_proj_weight`` (3D, D).
-        batch_first: inputs and outputs are ``(B, T, D)`` when True (the
-            default here, unlike torch's False), ``(T, B, D)`` when False.
-            Ignored for unbatched ``(T, D)`` inputs.
+        batch_first: inputs and outputs are ``(B, T, D)`` when True,
+            ``(T, B, D)`` when False (the default, as in torch). Ignored for
+            unbatched ``(T, D)`` inputs. The book passes ``batch_first=True``.
         device, dtype: where and in which floating type to create the
             parameters.
 
-    Differences from ``torch.nn.MultiheadAttention``: ``batch_first`` defaults
-    to True; a query row with no allowed key gets zero weights and zero head
-    outputs instead of NaN (so the output there is ``out_proj.bias``);
-    ``is_causal=True`` builds the causal mask when ``attn_mask`` is None; the
-    extra ``head_mask`` argument; errors are ``ValueError`` / ``TypeError``;
-    ``add_bias_kv`` and ``add_zero_attn`` do not exist.
+    Forward: ``module(query, key, value, key_padding_mask=None,
+    need_weights=True, attn_mask=None, average_attn_weights=True,
+    is_causal=False, head_mask=None)`` returns ``(output, weights)``:
+
+    * query ``(B, T_q, D)``, key ``(B, T_k, kdim)``, value ``(B, T_k, vdim)``
+      (sequence first if not batch_first; unbatched ``(T, features)`` too);
+    * ``key_padding_mask`` ``(B, T_k)``: keys hidden from every query;
+      ``attn_mask`` ``(T_q, T_k)`` or ``(B * H, T_q, T_k)``; boolean masks
+      say ``True`` = not allowed, float masks are added to the scores;
+    * ``is_causal``: query i may attend to keys 0..i only;
+    * ``head_mask`` ``(H,)`` or ``(B, H)``: multiplies each head's output
+      before the output projection (0 switches a head off);
+    * ``output`` ``(B, T_q, D)``; ``weights`` ``(B, T_q, T_k)`` averaged over
+      heads or ``(B, H, T_q, T_k)`` per head, after dropout in train mode,
+      None when ``need_weights=False``.
+
+    The differences from torch are listed in the module's docstring.
     """
 
     def __init__(
@@ -80,9 +94,11 @@ class MultiHeadAttention(nn.Module):
         num_heads: int,
         dropout: float = 0.0,
         bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
         kdim: int | None = None,
         vdim: int | None = None,
-        batch_first: bool = True,
+        batch_first: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -96,6 +112,7 @@ class MultiHeadAttention(nn.Module):
         self.vdim = embed_dim if vdim is None else check_int("vdim", vdim)
         self.dropout = check_probability("dropout", dropout)
         self.batch_first = batch_first
+        self.add_zero_attn = add_zero_attn
         factory = {"device": device, "dtype": dtype}
         self._qkv_same_embed_dim = (
             self.kdim == embed_dim and self.vdim == embed_dim
@@ -129,13 +146,19 @@ class MultiHeadAttention(nn.Module):
         else:
             self.register_parameter("in_proj_bias", None)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+        else:
+            self.bias_k = self.bias_v = None
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
         """torch's initialisation: Xavier-uniform weights, zero biases.
 
         Xavier-uniform applies to the input projection weights; ``out_proj``
-        keeps the weight ``nn.Linear`` gave it. Biases start at zero.
+        keeps the weight ``nn.Linear`` gave it. Biases start at zero; the extra
+        key and value of ``add_bias_kv`` are Xavier-normal.
         """
         for weight in (
             self.in_proj_weight,
@@ -148,6 +171,9 @@ class MultiHeadAttention(nn.Module):
         if self.in_proj_bias is not None:
             nn.init.zeros_(self.in_proj_bias)
             nn.init.zeros_(self.out_proj.bias)
+        if self.bias_k is not None:
+            nn.init.xavier_normal_(self.bias_k)
+            nn.init.xavier_normal_(self.bias_v)
 
     def forward(
         self,
@@ -163,34 +189,8 @@ class MultiHeadAttention(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """Attend from ``query`` over ``key`` / ``value``.
 
-        Returns ``(output, weights or None)``.
-
-        Args:
-            query: ``(B, T_q, D)`` (``(T_q, B, D)`` if not batch_first) or
-                unbatched ``(T_q, D)``.
-            key: ``(B, T_k, kdim)``, same layout as ``query``.
-            value: ``(B, T_k, vdim)``, same layout as ``query``.
-            key_padding_mask: ``(B, T_k)`` (``(T_k,)`` unbatched): keys
-                hidden from every query.
-            need_weights: return the attention weights (explicit path) or
-                None (fused SDPA path).
-            attn_mask: ``(T_q, T_k)`` or ``(B * H, T_q, T_k)``.
-            average_attn_weights: average the returned weights over heads.
-            is_causal: query i may attend to keys 0..i only. With
-                ``attn_mask`` given, that mask is taken as the causal mask
-                (torch's hint); with ``attn_mask=None`` one is built.
-            head_mask: ``(H,)`` or ``(B, H)`` floats multiplying each head's
-                output before the output projection (0 switches a head off).
-                The returned weights are not scaled.
-
-        Masks: boolean ``True`` = not allowed; float masks are added to the
-        scores.
-
-        Returns:
-            ``output`` ``(B, T_q, D)`` and ``weights``: ``(B, T_q, T_k)``
-            averaged over heads, or ``(B, H, T_q, T_k)`` per head, after
-            dropout in train mode; None when ``need_weights=False``. Unbatched
-            input drops the B axis.
+        Returns ``(output, weights or None)``; the arguments are described in
+        the class docstring.
         """
         batched = self._check_inputs(query, key, value)
         # one fused projection will do
@@ -211,6 +211,7 @@ class MultiHeadAttention(nn.Module):
 
         # 1. Project: queries, keys and values, (B, T, D) each.
         q, k, v = self._in_projection(query, key, value, self_attention)
+        k, v = self._extra_keys(k, v)  # add_bias_kv, add_zero_attn
         # 2. Split into heads: (B, H, T, d_k) each.
         q, k, v = (split_heads(x, self.head_dim) for x in (q, k, v))
         # 3. Attend, every head at once: (B, H, T_q, d_k);
@@ -252,6 +253,22 @@ class MultiHeadAttention(nn.Module):
             F.linear(key, w_k, b_k),
             F.linear(value, w_v, b_v),
         )
+
+    def _extra_keys(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append the extra keys and values: (B, T_k, D) -> (B, T_k + n, D).
+
+        ``add_bias_kv`` appends the learned ``bias_k`` / ``bias_v``,
+        ``add_zero_attn`` a key and a value of zeros (zero in every head).
+        Every query may attend to them: :meth:`_prepare_mask` pads the masks.
+        """
+        B = k.shape[0]
+        if self.bias_k is not None:
+            k = torch.cat([k, self.bias_k.expand(B, 1, -1)], dim=1)
+            v = torch.cat([v, self.bias_v.expand(B, 1, -1)], dim=1)
+        if self.add_zero_attn:
+            k = F.pad(k, (0, 0, 0, 1))  # one more position, all zeros
+            v = F.pad(v, (0, 0, 0, 1))
+        return k, v
 
     def _attend(
         self, q: Tensor, k: Tensor, v: Tensor, mask: _Mask, need_weights: bool
@@ -302,14 +319,16 @@ class MultiHeadAttention(nn.Module):
         which every key is blocked are unblocked *before* the softmax and
         remembered in ``row_has_key``, so no NaN is ever made; :meth:`_attend`
         zeroes them afterwards. With ``is_causal`` and no other mask, SDPA's
-        own causal flag is used instead of a mask, where it can be.
+        own causal flag is used instead of a mask, where it can be. The
+        extra keys of ``add_bias_kv`` / ``add_zero_attn`` are never masked.
         """
         (B, T_q, _), T_k = query.shape, key.shape[1]
         self._check_masks(
             attn_mask, key_padding_mask, head_mask, B, T_q, T_k, batched
         )
+        extra = int(self.bias_k is not None) + int(self.add_zero_attn)
         if is_causal and attn_mask is None:
-            if key_padding_mask is None and not need_weights:
+            if key_padding_mask is None and not need_weights and not extra:
                 return _Mask(None, None, is_causal=True)
             # True = blocked
             attn_mask = ~causal_mask(T_q, T_k, device=query.device)
@@ -328,6 +347,7 @@ class MultiHeadAttention(nn.Module):
             additive = padding if additive is None else additive + padding
         if additive is None:
             return _Mask(None, None, is_causal=False)
+        additive = F.pad(additive, (0, extra))  # extra keys: always allowed
         # (..., T_q, 1)
         row_has_key = (additive > float("-inf")).any(dim=-1, keepdim=True)
         # softmax never sees a row of -inf
@@ -373,6 +393,7 @@ class MultiHeadAttention(nn.Module):
                     f"{name} must be a floating-point tensor, "
                     f"got dtype {x.dtype}"
                 )
+        self._check_dtypes(query, key, value)
         if query.dim() not in (2, 3):
             raise ValueError(
                 "query must have 3 dimensions (batched) or 2 (unbatched), "
@@ -416,6 +437,26 @@ class MultiHeadAttention(nn.Module):
                 f"{tuple(key.shape)} and {tuple(value.shape)}"
             )
         return query.dim() == 3
+
+    def _check_dtypes(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        """One floating type for parameters, and inputs outside autocast."""
+        parameters = iter(self.named_parameters())
+        first_name, first = next(parameters)
+        for name, parameter in parameters:
+            if parameter.dtype != first.dtype:
+                raise TypeError(
+                    f"{name} has dtype {parameter.dtype}, but {first_name} "
+                    f"has {first.dtype}: give the module one dtype, "
+                    "module.to(dtype)"
+                )
+        if torch.is_autocast_enabled(query.device.type):
+            return  # autocast chooses the dtype of each product
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if x.dtype != first.dtype:
+                raise TypeError(
+                    f"{name} has dtype {x.dtype}, but the module's parameters "
+                    f"have {first.dtype}"
+                )
 
     def _check_masks(
         self,

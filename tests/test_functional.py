@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import randn
-
 from mha import functional, reference
 from mha.module import MultiHeadAttention
+
+from helpers import randn
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -96,9 +96,9 @@ def test_reference_weights_are_the_transposed_projections(layer_kind: str) -> No
     if layer_kind == "torch_fused":
         layer = torch.nn.MultiheadAttention(D, H, batch_first=True, dtype=torch.float64)
     elif layer_kind == "ours_fused":
-        layer = MultiHeadAttention(D, H, dtype=torch.float64)
+        layer = MultiHeadAttention(D, H, dtype=torch.float64, batch_first=True)
     else:
-        layer = MultiHeadAttention(D, H, kdim=4, vdim=5, dtype=torch.float64)
+        layer = MultiHeadAttention(D, H, kdim=4, vdim=5, dtype=torch.float64, batch_first=True)
     with torch.no_grad():
         layer.in_proj_bias.uniform_(-1, 1)
         layer.out_proj.bias.uniform_(-1, 1)
@@ -127,6 +127,6 @@ def test_reference_weights_are_the_transposed_projections(layer_kind: str) -> No
 
 
 def test_reference_weights_dtype_and_no_bias() -> None:
-    layer = MultiHeadAttention(4, 2, bias=False)
+    layer = MultiHeadAttention(4, 2, bias=False, batch_first=True)
     w = functional.reference_weights(layer, dtype=np.float64)
     assert w.w_q.dtype == np.float64 and w.b_q is None and w.b_o is None

@@ -19,7 +19,7 @@ def esc(text: str) -> str:
 
 @pytest.fixture
 def module() -> MultiHeadAttention:
-    return MultiHeadAttention(E, H, kdim=5, vdim=6)
+    return MultiHeadAttention(E, H, kdim=5, vdim=6, batch_first=True)
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_embed_dim_not_divisible_by_num_heads() -> None:
         ValueError,
         match=r"embed_dim \(10\) must be divisible by num_heads \(4\)",
     ):
-        MultiHeadAttention(10, 4)
+        MultiHeadAttention(10, 4, batch_first=True)
 
 
 @pytest.mark.parametrize("name", ["embed_dim", "num_heads", "kdim", "vdim"])
@@ -47,19 +47,19 @@ def test_embed_dim_not_divisible_by_num_heads() -> None:
 def test_non_positive_sizes(name: str, bad: int) -> None:
     kwargs = {"embed_dim": 8, "num_heads": 2, name: bad}
     with pytest.raises(ValueError, match=rf"{name} must be a positive int, got {bad}"):
-        MultiHeadAttention(**kwargs)
+        MultiHeadAttention(**kwargs, batch_first=True)
 
 
 @pytest.mark.parametrize("bad", [8.0, "8", True])
 def test_non_integer_embed_dim(bad: object) -> None:
     with pytest.raises(TypeError, match=rf"embed_dim must be an int, got {type(bad).__name__}"):
-        MultiHeadAttention(bad, 2)
+        MultiHeadAttention(bad, 2, batch_first=True)
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5])
 def test_dropout_outside_unit_interval(bad: float) -> None:
     with pytest.raises(ValueError, match=rf"dropout must lie in \[0, 1\), got {bad}"):
-        MultiHeadAttention(8, 2, dropout=bad)
+        MultiHeadAttention(8, 2, dropout=bad, batch_first=True)
 
 
 # --- query, key, value -------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def test_key_and_value_lengths_differ(module: MultiHeadAttention, qkv) -> None:
 
 
 def test_integer_query() -> None:
-    module = MultiHeadAttention(E, H)
+    module = MultiHeadAttention(E, H, batch_first=True)
     tokens = torch.ones(B, T_Q, E, dtype=torch.long)
     with pytest.raises(
         TypeError,

@@ -227,12 +227,12 @@ def check_config(cfg: Config) -> None:
         return module
 
     def our_module() -> MultiHeadAttention:
-        module = MultiHeadAttention(**build).eval()
+        module = MultiHeadAttention(**build, batch_first=True).eval()
         perturb(module, generator)
         return module
 
     # Direction 1: ours <- torch's state_dict.  Direction 2: torch <- ours.
-    theirs_1, ours_1 = torch_module(), MultiHeadAttention(**build).eval()
+    theirs_1, ours_1 = torch_module(), MultiHeadAttention(**build, batch_first=True).eval()
     ours_1.load_state_dict(theirs_1.state_dict())
     ours_2, theirs_2 = (
         our_module(),
@@ -353,7 +353,7 @@ def test_is_causal_without_mask_equals_torch_with_causal_mask(
     generator = torch.Generator().manual_seed(1)
     theirs = torch.nn.MultiheadAttention(8, 4, batch_first=True, dtype=torch.float64).eval()
     perturb(theirs, generator)
-    ours = MultiHeadAttention(8, 4, dtype=torch.float64).eval()
+    ours = MultiHeadAttention(8, 4, dtype=torch.float64, batch_first=True).eval()
     ours.load_state_dict(theirs.state_dict())
     x = torch.randn(2, 5, 8, generator=generator, dtype=torch.float64)
     causal = torch.ones(5, 5, dtype=torch.bool).triu(
@@ -391,7 +391,7 @@ def test_same_initialisation_as_torch() -> None:
         torch.manual_seed(123)
         theirs = torch.nn.MultiheadAttention(8, 2, batch_first=True, **kwargs)
         torch.manual_seed(123)
-        ours = MultiHeadAttention(8, 2, **kwargs)
+        ours = MultiHeadAttention(8, 2, **kwargs, batch_first=True)
         expected, got = theirs.state_dict(), ours.state_dict()
         assert list(got) == list(expected), kwargs
         for name in expected:
@@ -403,14 +403,14 @@ def test_same_initialisation_as_torch() -> None:
 
 
 def test_state_dict_names_and_shapes() -> None:
-    fused = MultiHeadAttention(12, 3)
+    fused = MultiHeadAttention(12, 3, batch_first=True)
     assert {name: tuple(p.shape) for name, p in fused.state_dict().items()} == {
         "in_proj_weight": (36, 12),
         "in_proj_bias": (36,),
         "out_proj.weight": (12, 12),
         "out_proj.bias": (12,),
     }
-    separate = MultiHeadAttention(12, 3, bias=False, kdim=4, vdim=7)
+    separate = MultiHeadAttention(12, 3, bias=False, kdim=4, vdim=7, batch_first=True)
     assert separate.in_proj_weight is None and separate.in_proj_bias is None
     assert {name: tuple(p.shape) for name, p in separate.state_dict().items()} == {
         "q_proj_weight": (12, 12),

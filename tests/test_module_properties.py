@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def module_with_biases(*args, seed: int = 0, **kwargs) -> MultiHeadAttention:
     """A float64 module in eval mode whose biases are not zero (torch initialises them to zero)."""
     torch.manual_seed(seed)
-    module = MultiHeadAttention(*args, dtype=DTYPE, **kwargs).eval()
+    module = MultiHeadAttention(*args, dtype=DTYPE, **kwargs, batch_first=True).eval()
     with torch.no_grad():
         for parameter in module.parameters():
             parameter.add_(0.2 * torch.randn_like(parameter))
@@ -178,7 +178,7 @@ def test_torch_gives_nan_on_fully_masked_rows() -> None:
     """The difference documented in MultiHeadAttention's docstring."""
     torch.manual_seed(0)
     theirs = torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()
-    ours = MultiHeadAttention(8, 2).eval()
+    ours = MultiHeadAttention(8, 2, batch_first=True).eval()
     ours.load_state_dict(theirs.state_dict())
     x = torch.randn(2, 4, 8)
     attn_mask = torch.zeros(4, 4, dtype=torch.bool)
@@ -264,8 +264,8 @@ def test_gradcheck(case: str) -> None:
 @pytest.mark.parametrize("need_weights", [True, False])
 def test_dropout_only_in_train_mode(need_weights: bool) -> None:
     torch.manual_seed(0)
-    module = MultiHeadAttention(8, 2, dropout=0.5, dtype=DTYPE)
-    no_dropout = MultiHeadAttention(8, 2, dropout=0.0, dtype=DTYPE)
+    module = MultiHeadAttention(8, 2, dropout=0.5, dtype=DTYPE, batch_first=True)
+    no_dropout = MultiHeadAttention(8, 2, dropout=0.0, dtype=DTYPE, batch_first=True)
     no_dropout.load_state_dict(module.state_dict())
     x = randn(2, 5, 8)
     module.train()
@@ -291,7 +291,7 @@ def test_dropout_weights_are_returned_after_dropout() -> None:
     """As torch: in train mode the returned per-head weights are the dropped and rescaled ones."""
     torch.manual_seed(1)
     p = 0.5
-    module = MultiHeadAttention(8, 2, dropout=p, dtype=DTYPE)
+    module = MultiHeadAttention(8, 2, dropout=p, dtype=DTYPE, batch_first=True)
     x = randn(2, 5, 8)
     expected = module.eval()(x, x, x, average_attn_weights=False)[1]
     dropped = module.train()(x, x, x, average_attn_weights=False)[1]
@@ -408,7 +408,7 @@ def test_need_weights_false_runs_through_sdpa(
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", counting_sdpa)
-    module = MultiHeadAttention(8, 2)
+    module = MultiHeadAttention(8, 2, batch_first=True)
     x = torch.randn(2, 5, 8)
     module(x, x, x, need_weights=True)
     assert calls == []

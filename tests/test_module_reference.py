@@ -75,6 +75,7 @@ def test_parity_with_numpy_reference(case: dict) -> None:
         kdim=case["kv_dim"],
         vdim=case["kv_dim"],
         dtype=torch.float64,
+        batch_first=True,
     ).eval()
 
     x_q = rng.normal(size=(*lead, t_q, e))
@@ -132,7 +133,7 @@ def test_parity_with_numpy_reference(case: dict) -> None:
 def test_reference_parity_covers_fully_masked_rows() -> None:
     """One explicit case: the second sequence is all padding, so all its rows are fully masked."""
     rng = np.random.default_rng(7)
-    module = MultiHeadAttention(6, 2, bias=False, dtype=torch.float64)
+    module = MultiHeadAttention(6, 2, bias=False, dtype=torch.float64, batch_first=True)
     x = rng.normal(size=(2, 4, 6))
     keep = padding_mask(np.array([3, 0]), 4)  # (2, 4)
     expected, expected_weights = multi_head_attention(

@@ -15,10 +15,10 @@ import itertools
 
 import pytest
 import torch
-from helpers import generator, randn
+from mha.module import MultiHeadAttention
 from torch.profiler import ProfilerActivity, profile
 
-from mha.module import MultiHeadAttention
+from helpers import generator, randn
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -43,7 +43,9 @@ def pair(seed: int = 0, **kwargs) -> tuple[MultiHeadAttention, torch.nn.Multihea
 
 
 def assert_same(got: tuple, expected: tuple, what: str = "") -> None:
-    torch.testing.assert_close(got[0], expected[0], rtol=TOL, atol=TOL, msg=lambda m: f"{what} {m}")
+    torch.testing.assert_close(
+        got[0], expected[0], rtol=TOL, atol=TOL, msg=lambda m: f"{what} {m}"
+    )
     if expected[1] is None:
         assert got[1] is None
     else:
@@ -77,7 +79,9 @@ def test_default_layout_is_sequence_first_as_in_torch() -> None:
     list(itertools.product([True, False], [True, False], [None, 3])),
 )
 def test_same_parameters_and_initialisation_as_torch(bias: bool, add_bias_kv: bool, kdim) -> None:
-    kwargs = dict(embed_dim=6, num_heads=2, bias=bias, add_bias_kv=add_bias_kv, kdim=kdim, vdim=kdim)
+    kwargs = dict(
+        embed_dim=6, num_heads=2, bias=bias, add_bias_kv=add_bias_kv, kdim=kdim, vdim=kdim
+    )
     torch.manual_seed(7)
     theirs = torch.nn.MultiheadAttention(**kwargs)
     torch.manual_seed(7)
@@ -91,19 +95,34 @@ def test_same_parameters_and_initialisation_as_torch(bias: bool, add_bias_kv: bo
 # add_bias_kv and add_zero_attn
 
 
-@pytest.mark.parametrize("add_bias_kv, add_zero_attn", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize(
+    "add_bias_kv, add_zero_attn", [(True, False), (False, True), (True, True)]
+)
 @pytest.mark.parametrize("masks", [None, "bool", "float", "padding", "bool+padding"])
 @pytest.mark.parametrize("need_weights", [True, False])
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_extra_keys_match_torch(
-    add_bias_kv: bool, add_zero_attn: bool, masks: str | None, need_weights: bool, batch_first: bool
+    add_bias_kv: bool,
+    add_zero_attn: bool,
+    masks: str | None,
+    need_weights: bool,
+    batch_first: bool,
 ) -> None:
     ours, theirs = pair(
-        embed_dim=8, num_heads=2, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn,
-        batch_first=batch_first, kdim=5, vdim=3,
+        embed_dim=8,
+        num_heads=2,
+        add_bias_kv=add_bias_kv,
+        add_zero_attn=add_zero_attn,
+        batch_first=batch_first,
+        kdim=5,
+        vdim=3,
     )
     B, T_q, T_k = 3, 4, 6
-    query, key, value = randn(B, T_q, 8, seed=1), randn(B, T_k, 5, seed=2), randn(B, T_k, 3, seed=3)
+    query, key, value = (
+        randn(B, T_q, 8, seed=1),
+        randn(B, T_k, 5, seed=2),
+        randn(B, T_k, 3, seed=3),
+    )
     if not batch_first:
         query, key, value = (t.transpose(0, 1) for t in (query, key, value))
     kwargs: dict = {"need_weights": need_weights, "average_attn_weights": False}
@@ -122,12 +141,22 @@ def test_extra_keys_both_directions_of_state_dict() -> None:
     torch.manual_seed(0)
     ours = MultiHeadAttention(8, 2, add_bias_kv=True, add_zero_attn=True, dtype=torch.float64)
     perturb(ours, 3)
-    theirs = torch.nn.MultiheadAttention(8, 2, add_bias_kv=True, add_zero_attn=True, dtype=torch.float64)
+    theirs = torch.nn.MultiheadAttention(
+        8, 2, add_bias_kv=True, add_zero_attn=True, dtype=torch.float64
+    )
     theirs.load_state_dict(ours.state_dict())
-    assert set(ours.state_dict()) == {"in_proj_weight", "in_proj_bias", "bias_k", "bias_v",
-                                      "out_proj.weight", "out_proj.bias"}
+    assert set(ours.state_dict()) == {
+        "in_proj_weight",
+        "in_proj_bias",
+        "bias_k",
+        "bias_v",
+        "out_proj.weight",
+        "out_proj.bias",
+    }
     x = randn(5, 2, 8)  # (T, B, D)
-    assert_same(ours(x, x, x, average_attn_weights=False), theirs(x, x, x, average_attn_weights=False))
+    assert_same(
+        ours(x, x, x, average_attn_weights=False), theirs(x, x, x, average_attn_weights=False)
+    )
 
 
 def test_zero_attention_key_is_a_zero_vector() -> None:
@@ -227,4 +256,26 @@ def test_a_wrong_causal_hint_is_refused_not_ignored() -> None:
     module = MultiHeadAttention(8, 2, batch_first=True)
     x = torch.randn(2, 3, 8)
     with pytest.raises(ValueError, match="attn_mask must have shape"):
-        module(x, x, x, attn_mask=torch.ones(4, 4, dtype=torch.bool), is_causal=True, need_weights=False)
+        module(
+            x,
+            x,
+            x,
+            attn_mask=torch.ones(4, 4, dtype=torch.bool),
+            is_causal=True,
+            need_weights=False,
+        )
+
+
+def test_extra_keys_stay_visible_under_is_causal() -> None:
+    # torch hides the extra key on its is_causal route without weights (SDPA's top-left causal
+    # mask over T_k + 1 keys) but shows it when it returns the weights; ours always shows it,
+    # so both of our paths agree with torch's weights path.
+    ours, theirs = pair(embed_dim=8, num_heads=2, add_bias_kv=True, batch_first=True)
+    x = randn(2, 4, 8)
+    causal = torch.ones(4, 4, dtype=torch.bool).triu(1)
+    expected, _ = theirs(x, x, x, attn_mask=causal, is_causal=True, need_weights=True)
+    for need_weights in (True, False):
+        got, _ = ours(x, x, x, is_causal=True, need_weights=need_weights)
+        torch.testing.assert_close(got, expected, rtol=TOL, atol=TOL)
+    hidden, _ = theirs(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)
+    assert not torch.allclose(hidden, expected)  # torch's two routes disagree

@@ -153,7 +153,11 @@ def mha_module(
     from ..module import MultiHeadAttention
 
     module = MultiHeadAttention(
-        layer.embed_dim, layer.num_heads, device=x.device, dtype=x.dtype
+        layer.embed_dim,
+        layer.num_heads,
+        batch_first=True,
+        device=x.device,
+        dtype=x.dtype,
     )
     module.load_state_dict(layer.state_dict())
     module.eval().requires_grad_(False)

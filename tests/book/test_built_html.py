@@ -210,7 +210,9 @@ def test_prose_speaks_of_the_subject_not_of_the_build(html_pages, html_dir):
     offenders = []
     for page in html_pages:
         prose = " ".join("".join(_article(page).prose).split()).lower()
-        offenders += [f"{page.relative_to(html_dir)}: {p!r}" for p in ABOUT_THE_BUILD if p in prose]
+        offenders += [
+            f"{page.relative_to(html_dir)}: {p!r}" for p in ABOUT_THE_BUILD if p in prose
+        ]
     assert not offenders, "sentences about how the book was made:\n" + "\n".join(offenders)
 
 

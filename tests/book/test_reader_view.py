@@ -29,19 +29,20 @@ MEASURE = r"""
   const right = article.getBoundingClientRect().right;
   const label = (el) => {
     const text = (el.innerText || el.getAttribute('alt') || '').trim().split('\n')[0];
-    return `${el.tagName.toLowerCase()}${el.className ? '.' + String(el.className).split(' ')[0] : ''}`
-      + ` "${text.slice(0, 60)}"`;
+    const first = el.className ? '.' + String(el.className).split(' ')[0] : '';
+    return `${el.tagName.toLowerCase()}${first} "${text.slice(0, 60)}"`;
   };
   const boxes = article.querySelectorAll(
-    'pre, table, div.cell_output, div.output, div.highlight, div.math, mjx-container[display="true"],'
-    + ' h1, h2, h3, h4, figure, div.admonition, div.exercise, div.solution, blockquote');
+    'pre, table, div.cell_output, div.output, div.highlight, div.math,'
+    + ' mjx-container[display="true"], h1, h2, h3, h4, figure, div.admonition,'
+    + ' div.exercise, div.solution, blockquote');
   for (const el of boxes) {
     if (el.closest('.toggle-hidden, details:not([open])')) continue;
     if (el.scrollWidth > el.clientWidth + 1) {
       problems.push(`${label(el)} is ${el.scrollWidth - el.clientWidth}px wider than its box`);
     } else if (el.getBoundingClientRect().right > right + 1) {
-      problems.push(`${label(el)} reaches ${Math.round(el.getBoundingClientRect().right - right)}px`
-        + ' past the column');
+      const past = Math.round(el.getBoundingClientRect().right - right);
+      problems.push(`${label(el)} reaches ${past}px past the column`);
     }
   }
   // Anything else that does not fit: content cut off by a box that hides its overflow (inline math
@@ -100,7 +101,8 @@ MEASURE = r"""
       problems.push(`image "${alt.slice(0, 40)}" shrunk to ${Math.round(100 * shown / intended)}%`
         + ' of its size: its text is smaller than drawn');
     }
-    if (!img.closest('figure') || !img.closest('figure').querySelector('figcaption .caption-number')) {
+    const figure = img.closest('figure');
+    if (!figure || !figure.querySelector('figcaption .caption-number')) {
       problems.push(`image "${alt.slice(0, 40)}" has no numbered caption`);
     }
   }
@@ -156,7 +158,9 @@ PAGES = _pages()
 def page():
     executable = find_chromium()
     if executable is None:
-        reason = "headless Chromium is not installed (Debian package `chromium`; .ci/run installs it)"
+        reason = (
+            "headless Chromium is not installed (Debian package `chromium`; .ci/run installs it)"
+        )
         if os.environ.get("MHA_REQUIRE_CHROMIUM") or os.environ.get("CI"):
             pytest.fail(reason + ", and this run requires it")
         pytest.skip(reason)
