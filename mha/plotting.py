@@ -31,6 +31,9 @@ __all__ = [
 #: and the figure's own width, 7 points are 9.7 pixels on the page.
 MIN_FONT_SIZE = 7
 
+#: The widest figure, in inches: the book's column at 100 dpi.
+MAX_WIDTH = 7.5
+
 
 def book_style() -> None:
     """Figures as the book shows them.
@@ -114,10 +117,11 @@ def plot_head_grid(
             f"got shape {weights.shape}"
         )
     n_rows, n_heads = weights.shape[:2]
+    panel = min(2.6, (MAX_WIDTH - 0.5) / n_heads)  # inches per map
     fig, axes = plt.subplots(
         n_rows,
         n_heads,
-        figsize=(2.6 * n_heads + 0.5, 2.6 * n_rows + 0.4),
+        figsize=(panel * n_heads + 0.5, panel * n_rows + 0.4),
         squeeze=False,
     )
     for r in range(n_rows):
@@ -453,7 +457,10 @@ def plot_head_flow(
         total_height + 5.0,
     )
     fig, ax = plt.subplots(
-        figsize=(11, round(0.6 + 11 * height_units / width_units, 1))
+        figsize=(
+            MAX_WIDTH,
+            round(0.6 + MAX_WIDTH * height_units / width_units, 1),
+        )
     )
     _flow_box(ax, x, 0, mid_y, "Greys", "0.2")
     _flow_label(ax, "X", x.shape, d_model / 2, mid_y)
@@ -675,10 +682,11 @@ def plot_split_heads(
     t, d = x.shape
     n_heads, _, d_k = heads.shape
     origin = _trace_entries(x, "x")
+    cell = min(0.42, (MAX_WIDTH - 1.0) / (d + n_heads * (d_k + 1)))  # inches
     fig, axes = plt.subplots(
         1,
         n_heads + 1,
-        figsize=(0.42 * (d + n_heads * (d_k + 1)) + 1.0, 0.42 * t + 1.6),
+        figsize=(cell * (d + n_heads * (d_k + 1)) + 1.0, cell * t + 1.6),
         gridspec_kw={"width_ratios": [d] + [d_k] * n_heads},
     )
     column_fills = np.array(
@@ -752,10 +760,11 @@ def plot_merge_heads(
         )
     d = n_heads * d_k
     origin = _trace_entries(heads, "heads")
+    cell = min(0.42, (MAX_WIDTH - 1.0) / (d + n_heads * (d_k + 1)))  # inches
     fig, axes = plt.subplots(
         1,
         n_heads + 1,
-        figsize=(0.42 * (d + n_heads * (d_k + 1)) + 1.0, 0.42 * t + 1.6),
+        figsize=(cell * (d + n_heads * (d_k + 1)) + 1.0, cell * t + 1.6),
         gridspec_kw={"width_ratios": [d_k] * n_heads + [d]},
     )
     for h in range(n_heads):

@@ -7,6 +7,7 @@ one seeded ``torch.nn.MultiheadAttention``), in eval mode and without autograd;
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -183,6 +184,29 @@ def torch_mha(layer: nn.MultiheadAttention, x: Tensor, causal: bool) -> Runner:
     # mask is given too.
     blocked = ~causal_mask(x.shape[1], device=x.device) if causal else None
     return lambda: layer(
+        x, x, x, need_weights=False, attn_mask=blocked, is_causal=causal
+    )[0]
+
+
+@register(
+    "torch_mha_general",
+    scope="layer",
+    summary="``torch.nn.MultiheadAttention`` on its general path (train "
+    "mode, dropout 0): ``F.multi_head_attention_forward``.",
+)
+def torch_mha_general(
+    layer: nn.MultiheadAttention, x: Tensor, causal: bool
+) -> Runner:
+    """torch's layer where its fast path does not apply: in train mode.
+
+    The fast path needs eval mode and no autograd; in train mode (with dropout
+    0, so the result is the same) torch calls
+    ``F.multi_head_attention_forward``, which hands the core to
+    ``F.scaled_dot_product_attention``.
+    """
+    general = copy.deepcopy(layer).train()
+    blocked = ~causal_mask(x.shape[1], device=x.device) if causal else None
+    return lambda: general(
         x, x, x, need_weights=False, attn_mask=blocked, is_causal=causal
     )[0]
 
