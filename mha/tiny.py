@@ -36,6 +36,7 @@ __all__ = [
     "train",
     "head_scores",
     "head_importance",
+    "head_value_norms",
 ]
 
 
@@ -478,3 +479,45 @@ def head_importance(
     loss = (loss_per_position / counts[rows]).sum()
     (grad,) = torch.autograd.grad(loss, xi)  # (B, L, H)
     return grad.abs().mean(dim=0)  # (L, H)
+
+
+@torch.no_grad()
+def head_value_norms(model: TinyTransformer, tokens: Tensor) -> Tensor:
+    """How much each head writes per unit of attention weight, (L, H).
+
+    Head h of layer l adds ``w[t, j] * f_h(x_j)`` to query t's output for each
+    key j, where ``f_h(x_j) = x_j W_V^(h) W_O^(h)`` is key j's value vector
+    (``x_j``: the layer's normalised input at position j) mapped to the model
+    width by the head's columns of the output projection. The weights say
+    where a head looks; ``||f_h(x_j)||`` is the other factor of what it adds
+    (Kobayashi et al., 2020). Returns the mean of ``||f_h(x_j)||`` over the
+    sequences and positions of ``tokens`` (B, T). The value bias, if any, is
+    part of ``f_h``; the output projection's bias belongs to no head.
+    """
+    inputs: list[Tensor] = []  # each layer's normalised input, (B, T, D)
+    hooks = [
+        attn.register_forward_pre_hook(lambda _, args: inputs.append(args[0]))
+        for attn in model.attns
+    ]
+    try:
+        model.eval()
+        model(tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    d_model, num_heads = model.d_model, model.num_heads
+    norms = []
+    for attn, x in zip(model.attns, inputs):
+        w_v = attn.in_proj_weight[2 * d_model :]  # (D, D)
+        b_v = (
+            None
+            if attn.in_proj_bias is None
+            else attn.in_proj_bias[2 * d_model :]
+        )
+        # (B, T, H, d_k)
+        v = F.linear(x, w_v, b_v).unflatten(-1, (num_heads, -1))
+        # (D, H, d_k): the output projection's columns, head by head
+        w_o = attn.out_proj.weight.unflatten(1, (num_heads, -1))
+        f = torch.einsum("bthk,dhk->bthd", v, w_o)  # (B, T, H, D)
+        norms.append(f.norm(dim=-1).mean(dim=(0, 1)))  # (H,)
+    return torch.stack(norms)  # (L, H)

@@ -13,6 +13,7 @@ from mha.tiny import (
     head_importance,
     head_mask_without,
     head_scores,
+    head_value_norms,
     make_induction_data,
     masked_loss_and_accuracy,
     train,
@@ -294,6 +295,42 @@ def test_head_importance_is_the_mean_absolute_derivative_of_the_loss(
                     values.append(masked_loss_and_accuracy(logits, one)[0].item())
                 expected[layer, head] += abs(values[0] - values[1]) / (2 * eps) / 3
     torch.testing.assert_close(importance, expected, rtol=1e-5, atol=1e-8)
+
+
+def test_head_value_norms_equal_each_heads_output_where_one_key_is_visible() -> None:
+    # With T = 1 the only visible key is the query's own position, with weight 1, so what head
+    # h adds there is f_h(x_0) itself: run each layer through the module with a one-hot head
+    # mask (no biases, so that is the head's output alone) and take its norm.
+    model = _model(dtype=torch.float64)
+    tokens = _data(20, seed=10).tokens[:, :1]  # (B, 1)
+    norms = head_value_norms(model, tokens)
+    assert norms.shape == (2, 4)
+    x = model.tok_emb(tokens) + model.pos_emb(torch.arange(1))  # (B, 1, D)
+    with torch.no_grad():
+        for layer, (norm, attn) in enumerate(zip(model.attn_norms, model.attns)):
+            h = norm(x)
+            for head in range(4):
+                one_hot = torch.zeros(4, dtype=torch.float64)
+                one_hot[head] = 1.0
+                out, _ = attn(h, h, h, need_weights=False, is_causal=True, head_mask=one_hot)
+                expected = out.norm(dim=-1).mean()
+                torch.testing.assert_close(norms[layer, head], expected)
+            x = x + attn(h, h, h, need_weights=False, is_causal=True)[0]
+    assert not any(attn._forward_pre_hooks for attn in model.attns)  # the hooks are gone
+
+
+def test_head_value_norms_scale_with_that_heads_output_columns_only() -> None:
+    model = _model(dtype=torch.float64)
+    tokens = _data(8, seed=11).tokens
+    before = head_value_norms(model, tokens)
+    d_k = model.d_model // 4
+    # Head 2 of layer 1 writes three times as much; the input of every layer stays the same.
+    with torch.no_grad():
+        model.attns[1].out_proj.weight[:, 2 * d_k : 3 * d_k] *= 3.0
+    after = head_value_norms(model, tokens)
+    expected = before.clone()
+    expected[1, 2] *= 3.0
+    torch.testing.assert_close(after, expected)
 
 
 # ---------------------------------------------------------------- training
