@@ -40,7 +40,13 @@ from ._validate import (
     check_probability,
     shape_text,
 )
-from .functional import attention, causal_mask, merge_heads, split_heads
+from .functional import (
+    attention,
+    causal_mask,
+    input_projections,
+    merge_heads,
+    split_heads,
+)
 
 __all__ = ["MultiHeadAttention"]
 
@@ -237,17 +243,7 @@ class MultiHeadAttention(nn.Module):
             # one matrix product for all three: (B, T, 3D)
             qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)
             return qkv.split(D, dim=-1)  # (B, T, D) each, views
-        if self._qkv_same_embed_dim:
-            w_q, w_k, w_v = self.in_proj_weight.split(D)  # (D, D) each
-        else:
-            w_q, w_k, w_v = (
-                self.q_proj_weight,
-                self.k_proj_weight,
-                self.v_proj_weight,
-            )
-        b_q = b_k = b_v = None
-        if self.in_proj_bias is not None:
-            b_q, b_k, b_v = self.in_proj_bias.split(D)  # (D,) each
+        w_q, w_k, w_v, b_q, b_k, b_v = input_projections(self)
         return (
             F.linear(query, w_q, b_q),
             F.linear(key, w_k, b_k),
