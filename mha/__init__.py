@@ -16,6 +16,7 @@ module                      what it holds               chapters  tests
 :mod:`mha.plotting`         maps, grids, benchmarks     all       (drawn in chapters)
 :mod:`mha.bench`            ``python -m mha.bench``     09        test_bench
 :mod:`mha.tiny`             the tiny induction model    10        test_tiny
+:mod:`mha.flash`            tiled online-softmax        13        test_flash
 ==========================  ==========================  ========  ======================
 
 The order inside a topic: the NumPy reference first, then the torch or fast
@@ -48,6 +49,11 @@ __version__ = "0.1.0"
 # Names that live in modules importing torch, loaded on first access.
 _LAZY = {
     "MultiHeadAttention": "mha.module",
+    "flash_attention": "mha.flash",
+    "flash_attention_backward": "mha.flash",
+    "flash_attention_torch": "mha.flash",
+    "FlashAttention": "mha.flash",
+    "tile_schedule": "mha.flash",
 }
 
 __all__ = [

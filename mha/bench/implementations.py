@@ -230,3 +230,29 @@ for _short, _backend in BACKENDS.items():
         else ("cuda",),
         summary=f"``F.scaled_dot_product_attention`` alone, forced to the {_short} backend",
     )(_sdpa_core(_backend))
+
+
+# ---------------------------------------------------------------------------
+# Tiled attention (chapter 13): the attention core on projected heads
+
+
+def _projected_heads(
+    layer: nn.MultiheadAttention, x: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v of ``layer`` for ``x``, each (B, H, T, d_k), made untimed."""
+    with torch.no_grad():
+        qkv = F.linear(x, layer.in_proj_weight, layer.in_proj_bias)
+    d_k = x.shape[-1] // layer.num_heads
+    q, k, v = (split_heads(t, d_k) for t in qkv.chunk(3, dim=-1))
+    return q, k, v  # (B, H, T, d_k) each
+
+
+@register("flash_torch", scope="core")
+def flash_torch(
+    layer: nn.MultiheadAttention, x: Tensor, causal: bool
+) -> Runner:
+    """:func:`mha.flash.flash_attention_torch`: tiles of 64 x 64 scores."""
+    from ..flash import flash_attention_torch
+
+    q, k, v = _projected_heads(layer, x)
+    return lambda: flash_attention_torch(q, k, v, causal=causal)[0]
