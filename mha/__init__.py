@@ -17,6 +17,7 @@ module                      what it holds               chapters  tests
 :mod:`mha.bench`            ``python -m mha.bench``     09        test_bench
 :mod:`mha.tiny`             the tiny induction model    10        test_tiny
 :mod:`mha.flash`            tiled online-softmax        13        test_flash
+:mod:`mha.kernels`          Triton attention kernels    13        test_kernels
 ==========================  ==========================  ========  ======================
 
 The order inside a topic: the NumPy reference first, then the torch or fast

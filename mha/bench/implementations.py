@@ -256,3 +256,35 @@ def flash_torch(
 
     q, k, v = _projected_heads(layer, x)
     return lambda: flash_attention_torch(q, k, v, causal=causal)[0]
+
+
+@register(
+    "triton_attention",
+    scope="core",
+    dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    default_on=("cuda",),
+)
+def triton_kernel(
+    layer: nn.MultiheadAttention, x: Tensor, causal: bool
+) -> Runner:
+    """:func:`mha.kernels.triton_attention` (CPU: in Triton's interpreter)."""
+    from .. import kernels
+
+    d_k = x.shape[-1] // layer.num_heads
+    if not kernels.TRITON_AVAILABLE:
+        raise Unsupported("triton_attention needs triton, not installed here")
+    if d_k not in kernels.HEAD_DIMS:
+        raise Unsupported(
+            f"triton_attention takes d_k in {kernels.HEAD_DIMS}, not {d_k}"
+        )
+    if kernels.INTERPRETED != (x.device.type == "cpu"):
+        mode = "interpreted" if kernels.INTERPRETED else "compiled"
+        raise Unsupported(
+            "triton_attention runs compiled on CUDA tensors and in the "
+            f"interpreter on CPU tensors; here it is {mode} and the device "
+            f"is {x.device.type}"
+        )
+    if kernels.INTERPRETED and x.dtype == torch.bfloat16:
+        raise Unsupported("the Triton interpreter has no correct bfloat16")
+    q, k, v = _projected_heads(layer, x)
+    return lambda: kernels.triton_attention(q, k, v, causal=causal)
