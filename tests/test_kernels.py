@@ -79,7 +79,10 @@ def test_cross_attention_lengths(t_q: int, t_k: int, causal: bool) -> None:
 
 def test_default_tiles_and_a_scale() -> None:
     # float16 defaults to 128 x 64 tiles: T = 70 is one partial query tile and 2 key tiles.
-    assert kernels.attention.default_blocks(32, torch.float16) == (128, 64)
+    from mha.kernels.attention import default_blocks
+
+    assert default_blocks(32, torch.float16) == (128, 64)
+    assert default_blocks(32, torch.float16, backward=True) == (64, 64)
     q, k, v = _inputs(1, 1, 70, 32, dtype=torch.float16)
     out = kernels.triton_attention(q, k, v, causal=True, scale=0.05)
     arrays = [t.cpu().double().numpy() for t in (q, k, v)]
@@ -110,7 +113,9 @@ def test_causal_kernel_never_reads_the_tiles_above_the_diagonal() -> None:
 
 def test_logsumexp_of_every_row() -> None:
     q, k, v = _inputs(1, 2, 37, 16)
-    _, lse = kernels.attention.attention_forward(q, k, v, causal=True, block_q=16, block_k=16)
+    from mha.kernels.attention import attention_forward
+
+    _, lse = attention_forward(q, k, v, causal=True, block_q=16, block_k=16)
     scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(16)  # (1, 2, 37, 37)
     scores = scores.masked_fill(~causal_mask(37, device=DEVICE), -math.inf)
     expected = torch.logsumexp(scores, dim=-1)
@@ -142,6 +147,16 @@ def test_backward_equals_autograd(t_q: int, t_k: int, causal: bool) -> None:
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5, msg=f"d{name}")
 
 
+def test_backward_with_default_tiles() -> None:
+    # float32 defaults: forward tiles 64 x 64, backward tiles 32 x 32; T = 40 is partial in both.
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 1, 40, 16, seeds=(13, 14, 15)))
+    out = kernels.triton_attention(q, k, v, causal=True)
+    d_out = _inputs(*out.shape, seeds=(16,))[0]
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    for name, got, expected in zip("qkv", grads, _autograd_gradients(q, k, v, d_out, True)):
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5, msg=f"d{name}")
+
+
 def test_backward_in_float16() -> None:
     q, k, v = (t.requires_grad_() for t in _inputs(1, 1, 40, 16, dtype=torch.float16))
     out = kernels.triton_attention(q, k, v, causal=True, block_q=16, block_k=16)
@@ -156,7 +171,14 @@ def test_backward_in_float16() -> None:
 # bfloat16: on a GPU only (bfloat16 tl.dot is wrong in the interpreter)
 
 
+COMPILED = pytest.mark.skipif(  # a GPU, but TRITON_INTERPRET=1 was set by hand
+    bool(kernels.INTERPRETED) and torch.cuda.is_available(),
+    reason="TRITON_INTERPRET=1: the kernels are interpreted here",
+)
+
+
 @pytest.mark.cuda
+@COMPILED
 @pytest.mark.parametrize("causal", [False, True])
 def test_bfloat16_on_the_gpu(causal: bool) -> None:
     q, k, v = (t.requires_grad_() for t in _inputs(2, 4, 300, 128, dtype=torch.bfloat16))
@@ -169,6 +191,7 @@ def test_bfloat16_on_the_gpu(causal: bool) -> None:
 
 
 @pytest.mark.cuda
+@COMPILED
 def test_long_sequence_on_the_gpu() -> None:
     q, k, v = _inputs(1, 8, 4099, 64, dtype=torch.float16)
     out = kernels.triton_attention(q, k, v, causal=True)
