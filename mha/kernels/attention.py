@@ -46,6 +46,7 @@ from . import HEAD_DIMS, INTERPRETED
 __all__ = [
     "attention_forward",
     "attention_backward",
+    "TritonAttention",
     "triton_attention",
     "default_blocks",
 ]
