@@ -1,22 +1,20 @@
 """mha: multi-head attention from one head to the GPU.
 
 The package behind the book. Each module has one purpose; the chapters that
-read it and the tests that pin it are listed with it (README.md has the table).
+read it and the tests that pin it are listed with it (README.md has the table):
 
-=========================  =====================  ========  ===================
-module                     what it holds          chapters  tests
-=========================  =====================  ========  ===================
-:mod:`mha.reference`       the math, in NumPy     01-07     test_reference
-:mod:`mha._validate`       the one error policy   all       (every error test)
-:mod:`mha.functional`      torch building blocks  08, 09    test_functional
-:mod:`mha.worked_example`  2-head worked example  04        test_worked_example
-:mod:`mha.fitting`         heads fit to patterns  02        test_fitting
-:mod:`mha.counting`        counts and configs     06, 09    test_counting
-:mod:`mha.module`          MultiHeadAttention     08-10     test_module_*
-:mod:`mha.plotting`        maps, grids, timings   all       (drawn in chapters)
-:mod:`mha.bench`           the benchmark          09        test_bench
-:mod:`mha.tiny`            tiny induction model   10        test_tiny
-=========================  =====================  ========  ===================
+* :mod:`mha.reference` - the math, in NumPy (chapters 01-07; test_reference)
+* :mod:`mha._validate` - the one error policy (all; every error test)
+* :mod:`mha.functional` - torch building blocks (08, 09; test_functional)
+* :mod:`mha.worked_example` - the 2-head worked example (04)
+* :mod:`mha.fitting` - heads fitted to patterns (02; test_fitting)
+* :mod:`mha.counting` - every count, real configurations (06, 09, 12, 13)
+* :mod:`mha.module` - MultiHeadAttention, torch's layer (08-10; test_module_*)
+* :mod:`mha.plotting` - maps, grids, benchmark plots (all)
+* :mod:`mha.bench` - ``python -m mha.bench`` (09, 12, 13; test_bench)
+* :mod:`mha.tiny` - the tiny induction model (10; test_tiny)
+* :mod:`mha.flash` - tiled online-softmax attention (13; test_flash)
+* :mod:`mha.kernels` - Triton attention kernels (13; test_kernels)
 
 The order inside a topic: the NumPy reference first, then the torch or fast
 version, tests that pin one to the other, a benchmark entry, the chapter.
@@ -39,6 +37,11 @@ __version__ = "0.1.0"
 # Names that live in modules importing torch, loaded on first access.
 _LAZY = {
     "MultiHeadAttention": "mha.module",
+    "flash_attention": "mha.flash",
+    "flash_attention_backward": "mha.flash",
+    "flash_attention_torch": "mha.flash",
+    "FlashAttention": "mha.flash",
+    "tile_schedule": "mha.flash",
 }
 
 __all__ = [*reference.__all__, *_LAZY]

@@ -22,6 +22,7 @@ entry; ``citation`` holds the key in the book's ``references.bib``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ._validate import check_divisible, check_int
 
@@ -39,6 +40,14 @@ __all__ = [
     "MODEL_CONFIGS",
     "HeadAblationRow",
     "VASWANI2017_HEAD_ABLATION",
+    "attention_core_bytes",
+    "attention_core_exponentials",
+    "Accelerator",
+    "H100_SXM",
+    "H100_SXM_EXP_PER_S",
+    "Roofline",
+    "roofline",
+    "attention_core_roofline",
 ]
 
 
@@ -447,3 +456,172 @@ VASWANI2017_HEAD_ABLATION: tuple[HeadAblationRow, ...] = (
     HeadAblationRow("(A)", 32, 16, 16, 5.01, 25.4),
     HeadAblationRow("(B)", 8, 16, 64, 5.16, 25.1),
 )
+
+
+# ---------------------------------------------------------------------------
+# Bytes moved and the roofline of the attention core (chapter 13)
+
+
+def attention_core_bytes(
+    batch: int,
+    t_q: int,
+    num_heads: int,
+    head_dim: int,
+    *,
+    t_k: int | None = None,
+    bytes_per_element: int = 2,
+    materialise: bool = False,
+) -> int:
+    """Bytes the attention core must move between main memory and the chip.
+
+    A fused kernel reads q (T_q rows), k and v (T_k rows each) once and writes
+    the output (T_q rows): ``(2 T_q + 2 T_k) B H d_k`` elements. A
+    materialising core also writes the scores, reads them back for the
+    softmax, writes the weights and reads them for ``weights @ v``: ``4 B H
+    T_q T_k`` elements more (a causal mask does not shrink them: the
+    textbook stores the whole matrix). A lower bound: it counts no re-reads.
+    """
+    for name, value in (
+        ("batch", batch),
+        ("t_q", t_q),
+        ("num_heads", num_heads),
+        ("head_dim", head_dim),
+        ("bytes_per_element", bytes_per_element),
+    ):
+        check_int(name, value)
+    t_k = t_q if t_k is None else check_int("t_k", t_k)
+    elements = (2 * t_q + 2 * t_k) * batch * num_heads * head_dim
+    if materialise:
+        elements += 4 * batch * num_heads * t_q * t_k  # S, S, P, P
+    return elements * bytes_per_element
+
+
+def attention_core_exponentials(
+    batch: int,
+    t_q: int,
+    num_heads: int,
+    *,
+    t_k: int | None = None,
+    causal: bool = False,
+) -> int:
+    """``exp`` evaluations of the softmax: one per score, ``B H T_q T_k``.
+
+    Halved when causal, as :func:`attention_core_flops` is. Against the
+    ``4 B H T_q T_k d_k`` FLOPs of the two products, that is one ``exp`` per
+    ``4 d_k`` FLOPs.
+    """
+    for name, value in (
+        ("batch", batch),
+        ("t_q", t_q),
+        ("num_heads", num_heads),
+    ):
+        check_int(name, value)
+    t_k = t_q if t_k is None else check_int("t_k", t_k)
+    count = batch * num_heads * t_q * t_k
+    return count // 2 if causal else count
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """An accelerator's published peaks: the two ceilings of a roofline.
+
+    Attributes:
+        name: the product's name.
+        dtype: the number format of ``peak_flop_per_s``.
+        peak_flop_per_s: dense matrix-multiply peak, FLOP/s, in ``dtype``.
+        memory_bytes_per_s: main-memory (HBM) bandwidth, bytes/s.
+        citation: key in ``references.bib``. source: where the numbers are.
+    """
+
+    name: str
+    dtype: str
+    peak_flop_per_s: float
+    memory_bytes_per_s: float
+    citation: str
+    source: str
+
+    @property
+    def ridge_intensity(self) -> float:
+        """FLOPs per byte above which a kernel can be compute-bound."""
+        return self.peak_flop_per_s / self.memory_bytes_per_s
+
+
+#: NVIDIA H100 SXM: 1,979 teraFLOPS of bfloat16 tensor-core math *with
+#: sparsity* (the datasheet's footnote; dense is half) and 3.35 TB/s of HBM3.
+H100_SXM = Accelerator(
+    name="NVIDIA H100 SXM",
+    dtype="bfloat16",
+    peak_flop_per_s=1979e12 / 2,
+    memory_bytes_per_s=3.35e12,
+    citation="nvidia2023h100",
+    source=(
+        "datasheet, H100 SXM: BF16 Tensor Core 1,979 teraFLOPS with "
+        "sparsity (dense: half), GPU memory bandwidth 3.35 TB/s"
+    ),
+)
+
+#: exp (and other special functions) per second on the H100 SXM5, quoted in
+#: shah2024flashattention3, Section 3.1: "only 3.9 TFLOPS of special
+#: functions such as exponential", against 989 TFLOPS of FP16 matmul.
+H100_SXM_EXP_PER_S = 3.9e12
+
+
+class Roofline(NamedTuple):
+    """A roofline prediction: the time if the busier ceiling were reached."""
+
+    flop: int
+    bytes_moved: int
+    intensity: float  # FLOP per byte
+    seconds: float  # max(flop / peak, bytes / bandwidth)
+    flop_per_s: float  # flop / seconds: at most the peak
+    bound: str  # "compute" or "memory"
+
+
+def roofline(
+    flop: int, bytes_moved: int, accelerator: Accelerator = H100_SXM
+) -> Roofline:
+    """The roofline model (Williams et al., 2009): a prediction, not a measure.
+
+    A kernel needs at least ``flop / peak`` seconds of arithmetic and
+    ``bytes / bandwidth`` seconds of memory traffic; if the two overlap
+    perfectly, it takes the larger. Real kernels take longer.
+    """
+    check_int("flop", flop)
+    check_int("bytes_moved", bytes_moved)
+    compute = flop / accelerator.peak_flop_per_s
+    memory = bytes_moved / accelerator.memory_bytes_per_s
+    seconds = max(compute, memory)
+    return Roofline(
+        flop=flop,
+        bytes_moved=bytes_moved,
+        intensity=flop / bytes_moved,
+        seconds=seconds,
+        flop_per_s=flop / seconds,
+        bound="compute" if compute >= memory else "memory",
+    )
+
+
+def attention_core_roofline(
+    batch: int,
+    seq_len: int,
+    num_heads: int,
+    head_dim: int,
+    *,
+    causal: bool = False,
+    materialise: bool = False,
+    accelerator: Accelerator = H100_SXM,
+    bytes_per_element: int = 2,
+) -> Roofline:
+    """:func:`roofline` of self-attention's core, fused or materialising."""
+    flop = attention_core_flops(
+        batch, seq_len, num_heads * head_dim, num_heads, causal=causal
+    )
+    moved = attention_core_bytes(
+        batch,
+        seq_len,
+        num_heads,
+        head_dim,
+        bytes_per_element=bytes_per_element,
+        materialise=materialise,
+    )
+    return roofline(flop, moved, accelerator)

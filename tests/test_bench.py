@@ -407,3 +407,32 @@ def test_layer_weights_are_torch_initialisation() -> None:
     bound = math.sqrt(6.0 / (config.embed_dim + 3 * config.embed_dim))  # Xavier-uniform on (3D, D)
     assert float(layer.in_proj_weight.abs().max()) <= bound
     assert torch.equal(layer.in_proj_weight, bench.make_layer(config, seed=3).in_proj_weight)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tiled_entries_compute_the_reference_core(causal: bool) -> None:
+    # head_dim 16: a size the Triton kernel takes (the test above uses 8, which it refuses).
+    config = bench.BenchConfig(batch=1, seq_len=40, heads=2, head_dim=16, causal=causal)
+    layer, x = bench.make_layer(config), bench.make_input(config)
+    _, core_out, _ = _expected(config, layer, x)
+    for impl in ("flash_torch", "triton_attention"):
+        assert bench.IMPLEMENTATIONS[impl].scope == "core"
+        with torch.no_grad():
+            output = bench.build_runner(impl, layer, x, causal)()
+        np.testing.assert_allclose(output.numpy(), core_out, rtol=2e-5, atol=2e-5, err_msg=impl)
+    assert "flash_torch" in bench.default_impls("cpu")
+    assert "triton_attention" not in bench.default_impls("cpu")  # by name only: interpreted
+    assert "triton_attention" in bench.default_impls("cuda")
+
+
+def test_impl_lists_the_tiled_entries() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "mha.bench", "--impl"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    names = [line.split()[0] for line in completed.stdout.splitlines()[1:]]
+    assert names == list(bench.IMPLEMENTATIONS)
+    assert "flash_torch" in names and "triton_attention" in names

@@ -274,3 +274,61 @@ for _short, _backend in BACKENDS.items():
         summary="``F.scaled_dot_product_attention`` alone, "
         f"forced to the {_short} backend",
     )(_sdpa_core(_backend))
+
+
+# ---------------------------------------------------------------------------
+# Tiled attention (chapter 13): the attention core on projected heads
+
+
+def _projected_heads(
+    layer: nn.MultiheadAttention, x: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v of ``layer`` for ``x``, each (B, H, T, d_k), made untimed."""
+    with torch.no_grad():
+        qkv = F.linear(x, layer.in_proj_weight, layer.in_proj_bias)
+    d_k = x.shape[-1] // layer.num_heads
+    q, k, v = (split_heads(t, d_k) for t in qkv.chunk(3, dim=-1))
+    return q, k, v  # (B, H, T, d_k) each
+
+
+@register("flash_torch", scope="core")
+def flash_torch(
+    layer: nn.MultiheadAttention, x: Tensor, causal: bool
+) -> Runner:
+    """:func:`mha.flash.flash_attention_torch`: tiles of 64 x 64 scores."""
+    from ..flash import flash_attention_torch
+
+    q, k, v = _projected_heads(layer, x)
+    return lambda: flash_attention_torch(q, k, v, causal=causal)[0]
+
+
+@register(
+    "triton_attention",
+    scope="core",
+    dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    default_on=("cuda",),
+)
+def triton_kernel(
+    layer: nn.MultiheadAttention, x: Tensor, causal: bool
+) -> Runner:
+    """:func:`mha.kernels.triton_attention` (CPU: in Triton's interpreter)."""
+    from .. import kernels
+
+    d_k = x.shape[-1] // layer.num_heads
+    if not kernels.TRITON_AVAILABLE:
+        raise Unsupported("triton_attention needs triton, not installed here")
+    if d_k not in kernels.HEAD_DIMS:
+        raise Unsupported(
+            f"triton_attention takes d_k in {kernels.HEAD_DIMS}, not {d_k}"
+        )
+    if kernels.INTERPRETED != (x.device.type == "cpu"):
+        mode = "interpreted" if kernels.INTERPRETED else "compiled"
+        raise Unsupported(
+            "triton_attention runs compiled on CUDA tensors and in the "
+            f"interpreter on CPU tensors; here it is {mode} and the device "
+            f"is {x.device.type}"
+        )
+    if kernels.INTERPRETED and x.dtype == torch.bfloat16:
+        raise Unsupported("the Triton interpreter has no correct bfloat16")
+    q, k, v = _projected_heads(layer, x)
+    return lambda: kernels.triton_attention(q, k, v, causal=causal)
