@@ -31,17 +31,18 @@ __all__ = [
 #: and the figure's own width, 7 points are 9.7 pixels on the page.
 MIN_FONT_SIZE = 7
 
-#: The widest figure, in inches: the book's column at 100 dpi.
-MAX_WIDTH = 7.5
+#: The widest figure, in inches: a captioned figure's box in the book's column
+#: at 1280 px is 672 px wide, 6.7 inches at 100 dpi.
+MAX_WIDTH = 6.7
 
 
 def book_style() -> None:
     """Figures as the book shows them.
 
     Text is at least 7 points and sharp on dense screens. Figures are at most
-    7.5 inches wide (the book's column at 100 dpi), so they are shown at their
-    own size, not shrunk; in a notebook they are sent at twice the resolution
-    ("retina"), with their size in CSS pixels attached.
+    6.7 inches wide (a figure in the book's column at 100 dpi), so they are
+    shown at their own size, not shrunk; in a notebook they are sent at twice
+    the resolution ("retina"), with their size in CSS pixels attached.
     """
     plt.rcParams.update(
         {
