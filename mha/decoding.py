@@ -44,7 +44,12 @@ from .functional import (
     merge_heads,
     split_heads,
 )
-from .positions import _check_base, _check_positions, apply_rope
+from .positions import (
+    _check_base,
+    _check_positions,
+    rope_cos_sin,
+    rotate_pairs,
+)
 
 __all__ = [
     "grouped_attention",
@@ -155,8 +160,8 @@ class GroupedQueryAttention(nn.Module):
         k = split_heads(self.k_proj(x), d_k)  # (B, H_kv, T, d_k)
         v = split_heads(self.v_proj(x), d_k)  # (B, H_kv, T, d_k)
         if self.rope_base is not None:  # turn q and k by their positions
-            q = apply_rope(q, positions, self.rope_base)
-            k = apply_rope(k, positions, self.rope_base)
+            cos, sin = rope_cos_sin(positions, d_k, self.rope_base, q.dtype)
+            q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
         if cache is not None:  # cached keys and values, then the new ones
             k, v = cache.update(k, v)  # (B, H_kv, T_k, d_k)
         keep, causal = _mask(

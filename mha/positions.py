@@ -19,6 +19,7 @@ the width of one head.
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -30,6 +31,8 @@ __all__ = [
     "sinusoidal_positions",
     "LearnedPositions",
     "rope_angles",
+    "rope_cos_sin",
+    "rotate_pairs",
     "apply_rope",
 ]
 
@@ -108,11 +111,28 @@ def rope_angles(
     ``dtype`` the way ``transformers`` computes them (float32 unless float64
     is asked for).
     """
-    exponents = torch.arange(
-        0, head_dim, 2, dtype=torch.int64, device=positions.device
-    ).to(dtype)
-    frequencies = 1.0 / (base ** (exponents / head_dim))  # (d_k/2,)
+    frequencies = _frequencies(head_dim, float(base), dtype, positions.device)
     return positions.to(dtype)[..., None] * frequencies  # (..., T, d_k/2)
+
+
+def rope_cos_sin(
+    positions: Tensor, head_dim: int, base: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """cos and sin of :func:`rope_angles`, in ``dtype``, shaped to turn
+    (B, H, T, d_k) heads: (T, d_k/2), or (B, 1, T, d_k/2) for (B, T)
+    positions. The angles are float64 for float64, float32 otherwise."""
+    exact = torch.float64 if dtype == torch.float64 else torch.float32
+    angles = rope_angles(positions, head_dim, base, exact)  # (.., T, d_k/2)
+    if angles.dim() == 3:  # (B, T, d_k/2) -> (B, 1, T, d_k/2): every head
+        angles = angles[:, None]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Turn dimensions ``i`` and ``i + d_k/2`` of ``x`` (…, d_k) together by
+    the angle whose ``cos`` and ``sin`` (…, d_k/2) are given."""
+    x1, x2 = x.chunk(2, dim=-1)  # (..., d_k/2) each: the pairs' halves
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
 def apply_rope(x: Tensor, positions: Tensor, base: float = 10000.0) -> Tensor:
@@ -125,13 +145,21 @@ def apply_rope(x: Tensor, positions: Tensor, base: float = 10000.0) -> Tensor:
     the score of a rotated query and key depends on ``b - a`` only.
     """
     _check_rope(x, positions, base)
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    angles = rope_angles(positions, x.shape[-1], base, dtype)  # (.., T, d_k/2)
-    if angles.dim() == 3:  # (B, T, d_k/2) -> (B, 1, T, d_k/2): every head
-        angles = angles[:, None]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)  # (B, H, T, d_k/2) each: the pairs' halves
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    cos, sin = rope_cos_sin(positions, x.shape[-1], base, x.dtype)
+    return rotate_pairs(x, cos, sin)
+
+
+@functools.lru_cache(maxsize=64)
+def _frequencies(
+    head_dim: int, base: float, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """``base^(-2i / d_k)`` for i = 0 .. d_k/2 - 1, as ``transformers``
+    computes them; made once per (d_k, base, dtype, device)."""
+    with torch.inference_mode(False), torch.no_grad():
+        exponents = torch.arange(
+            0, head_dim, 2, dtype=torch.int64, device=device
+        ).to(dtype)
+        return 1.0 / (base ** (exponents / head_dim))  # (d_k/2,)
 
 
 def _check_sinusoidal(seq_len: int, d_model: int, base: float) -> None:
