@@ -12,7 +12,9 @@
 * :func:`grouped_from_multi_head`: a trained layer's key and value heads,
   mean-pooled per group (Ainslie et al. 2023).
 * :class:`Decoder` and :func:`generate`: a small decoder built from these
-  layers and greedy generation, with either cache or none.
+  layers and greedy generation, with either cache or none;
+  :func:`train_decoder` and :func:`evaluate_decoder` on chapter 10's
+  induction task (:mod:`mha.tiny`), to train, convert and uptrain one.
 
 With a cache the new tokens' queries attend to every cached key and to the
 new keys up to their own position: the causal mask is aligned to the bottom
@@ -59,6 +61,8 @@ __all__ = [
     "grouped_from_multi_head",
     "Decoder",
     "generate",
+    "train_decoder",
+    "evaluate_decoder",
 ]
 
 
@@ -711,3 +715,68 @@ def _check_tokens(tokens: object, vocab_size: int) -> None:
             f"tokens must lie in [0, vocab_size) = [0, {vocab_size}), got "
             f"values {int(tokens.min())} .. {int(tokens.max())}"
         )
+
+
+# ---------------------------------------------------------------------------
+# Training and evaluation on chapter 10's induction task
+
+
+def train_decoder(
+    model: Decoder,
+    *,
+    steps: int,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    seq_len: int = 16,
+    segment_len: int = 6,
+) -> list[float]:
+    """AdamW on fresh batches of the induction task; the loss of every step.
+
+    The data and the loss (on the predictable positions only) are those of
+    :mod:`mha.tiny`; the learning rate warms up over the first 5 % of the
+    steps, then decays to zero on a cosine, as :func:`mha.tiny.train`.
+    """
+    from .tiny import make_induction_data, masked_loss_and_accuracy
+
+    check_int("steps", steps)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    warmup = max(1, steps // 20)
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    losses = []
+    model.train()
+    for _ in range(steps):
+        data = make_induction_data(
+            batch_size,
+            seq_len=seq_len,
+            vocab_size=model.vocab_size,
+            segment_len=segment_len,
+            generator=generator,
+        )
+        loss, _ = masked_loss_and_accuracy(model(data.tokens), data)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def evaluate_decoder(model: Decoder, data) -> tuple[float, float]:
+    """(loss, accuracy) of ``model`` on an :class:`mha.tiny.InductionData`,
+    on its predictable positions."""
+    from .tiny import masked_loss_and_accuracy
+
+    model.eval()
+    loss, accuracy = masked_loss_and_accuracy(model(data.tokens), data)
+    return loss.item(), accuracy.item()

@@ -10,8 +10,10 @@ permuted the same way (chapter 11 asserts it). Order has to be put in:
 * :func:`apply_rope`: rotary position embedding (RoPE, Su et al. 2021), which
   rotates the queries and keys inside each head, so that a score depends on
   the two positions only through their offset. The pairing is the "rotate
-  half" one of Llama and Hugging Face ``transformers``: dimension ``i`` of a
-  head turns together with dimension ``i + d_k / 2``.
+  half" one of Hugging Face ``transformers``' Llama code: dimension ``i`` of
+  a head turns together with dimension ``i + d_k / 2``. (RoFormer and Meta's
+  reference code pair neighbours, ``2i`` and ``2i + 1``: the same rotation
+  after a fixed reordering of each head's query and key projection rows.)
 
 Shapes: ``B`` batch, ``H`` heads, ``T`` positions, ``D`` model width, ``d_k``
 the width of one head.
@@ -140,9 +142,10 @@ def apply_rope(x: Tensor, positions: Tensor, base: float = 10000.0) -> Tensor:
 
     ``positions``: (T,) for every sequence alike, or (B, T). Dimension ``i``
     and dimension ``i + d_k / 2`` of each head form a pair, turned by the
-    angle of :func:`rope_angles` (the "rotate half" layout of Llama and
-    ``transformers``). Rotations keep lengths, and ``R(a)^T R(b) = R(b - a)``:
-    the score of a rotated query and key depends on ``b - a`` only.
+    angle of :func:`rope_angles` (the "rotate half" layout of
+    ``transformers``' Llama code). Rotations keep lengths, and
+    ``R(a)^T R(b) = R(b - a)``: the score of a rotated query and key depends
+    on ``b - a`` only.
     """
     _check_rope(x, positions, base)
     cos, sin = rope_cos_sin(positions, x.shape[-1], base, x.dtype)
