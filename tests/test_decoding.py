@@ -492,3 +492,34 @@ def test_generation_errors() -> None:
         generate(model, prompt.float(), 2)
     with pytest.raises(ValueError, match="caches must hold one cache per layer"):
         model(prompt, caches=model.new_caches(1, 4)[:1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Training and evaluation on the induction task
+
+
+def test_train_decoder_lowers_the_loss_and_evaluate_matches_a_direct_count() -> None:
+    from mha.decoding import evaluate_decoder, train_decoder
+    from mha.tiny import make_induction_data
+
+    torch.manual_seed(0)
+    model = Decoder(vocab_size=16, d_model=16, num_heads=4, num_layers=1, d_mlp=32)
+    losses = train_decoder(model, steps=30, batch_size=16, lr=1e-2, seed=0)
+    assert len(losses) == 30 and not model.training
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5  # it learns something
+    data = make_induction_data(
+        40, seq_len=16, vocab_size=16, segment_len=6, generator=torch.Generator().manual_seed(1)
+    )
+    loss, accuracy = evaluate_decoder(model, data)
+    with torch.no_grad():
+        logits = model(data.tokens)  # (N, T, V)
+    picked = logits[data.predictable].argmax(-1)  # the scored positions only
+    expected = (picked == data.targets[data.predictable]).double().mean().item()
+    assert accuracy == pytest.approx(expected)
+    assert loss == pytest.approx(
+        torch.nn.functional.cross_entropy(
+            logits[data.predictable], data.targets[data.predictable]
+        ).item()
+    )
+    with pytest.raises(TypeError, match="steps must be an int"):
+        train_decoder(model, steps=2.5)
