@@ -682,15 +682,14 @@ def generate(
     if cache is not None:
         check_choice("cache", cache, ("preallocated", "concat"))
     _check_tokens(prompt, model.vocab_size)
-    tokens, new = prompt, prompt  # everything so far; what the model reads
+    tokens, new = prompt, prompt  # everything so far; the newest tokens
     caches = None
     if cache is not None:
         total = prompt.shape[1] + max_new_tokens
         caches = model.new_caches(prompt.shape[0], total, kind=cache)
     for _ in range(max_new_tokens):
-        logits = model(
-            tokens if caches is None else new, caches=caches
-        )  # (B, ., V)
+        seen = tokens if caches is None else new  # all so far, or the new one
+        logits = model(seen, caches=caches)  # (B, T or 1, V)
         next_token = logits[:, -1].argmax(dim=-1, keepdim=True)  # (B, 1)
         tokens = torch.cat((tokens, next_token), dim=1)
         new = next_token
