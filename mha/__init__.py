@@ -13,6 +13,8 @@ read it and the tests that pin it are listed with it (README.md has the table):
 * :mod:`mha.plotting` - maps, grids, benchmark plots (all)
 * :mod:`mha.bench` - ``python -m mha.bench`` (09, 12, 13; test_bench)
 * :mod:`mha.tiny` - the tiny induction model (10; test_tiny)
+* :mod:`mha.positions` - sinusoidal, learned, rotary (11, 12; test_positions)
+* :mod:`mha.decoding` - GQA, key/value caches, generation (12; test_decoding)
 * :mod:`mha.flash` - tiled online-softmax attention (13; test_flash)
 * :mod:`mha.kernels` - Triton attention kernels (13; test_kernels)
 
@@ -37,6 +39,14 @@ __version__ = "0.1.0"
 # Names that live in modules importing torch, loaded on first access.
 _LAZY = {
     "MultiHeadAttention": "mha.module",
+    "sinusoidal_positions": "mha.positions",
+    "LearnedPositions": "mha.positions",
+    "apply_rope": "mha.positions",
+    "GroupedQueryAttention": "mha.decoding",
+    "KVCache": "mha.decoding",
+    "ConcatKVCache": "mha.decoding",
+    "grouped_from_multi_head": "mha.decoding",
+    "generate": "mha.decoding",
     "flash_attention": "mha.flash",
     "flash_attention_backward": "mha.flash",
     "flash_attention_torch": "mha.flash",

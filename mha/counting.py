@@ -48,6 +48,10 @@ __all__ = [
     "Roofline",
     "roofline",
     "attention_core_roofline",
+    "DecoderKVConfig",
+    "DECODER_KV_CONFIGS",
+    "LatentAttentionFigures",
+    "DEEPSEEK_V2_MLA",
 ]
 
 
@@ -625,3 +629,149 @@ def attention_core_roofline(
         materialise=materialise,
     )
     return roofline(flop, moved, accelerator)
+
+
+# Key/value caches of decoders with grouped key/value heads (chapter 12)
+
+
+@dataclass(frozen=True)
+class DecoderKVConfig:
+    """What the key/value cache of a published decoder depends on, quoted.
+
+    Attributes:
+        name: the model's name.
+        d_model: D. num_heads: H (query heads). num_kv_heads: H_kv.
+        num_layers: L. head_dim: d_k (D / H for each model here).
+        bytes_per_element: 2, the 16-bit floats the weights are released in.
+        citation: keys in ``references.bib``. source: where the numbers are.
+        note: anything a reader should know about the row.
+    """
+
+    name: str
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    num_layers: int
+    head_dim: int
+    citation: str
+    source: str
+    note: str = ""
+    bytes_per_element: int = 2
+
+    def kv_cache_bytes_per_token(self) -> int:
+        """Bytes per token: 2 L H_kv d_k elements (keys, values, layers)."""
+        return kv_cache_bytes(
+            1,
+            1,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.bytes_per_element,
+        )
+
+    def mha_kv_cache_bytes_per_token(self) -> int:
+        """The same model with one key/value head per query head (H_kv = H)."""
+        return kv_cache_bytes(
+            1,
+            1,
+            self.num_layers,
+            self.num_heads,
+            self.head_dim,
+            self.bytes_per_element,
+        )
+
+
+#: Published decoder configurations, for their key/value caches.
+DECODER_KV_CONFIGS: tuple[DecoderKVConfig, ...] = (
+    DecoderKVConfig(
+        "Llama-2-7B",
+        4096,
+        32,
+        32,
+        32,
+        128,
+        "meta2023llama2config7b,touvron2023llama2",
+        "config.json of meta-llama/Llama-2-7b-hf; GQA only in the 34B and "
+        "70B models: Table 1 of touvron2023llama2",
+        "multi-head attention: H_kv = H",
+    ),
+    DecoderKVConfig(
+        "Llama-2-70B",
+        8192,
+        64,
+        8,
+        80,
+        128,
+        "meta2023llama2config70b,touvron2023llama2",
+        "config.json of meta-llama/Llama-2-70b-hf; GQA: Table 1 of "
+        "touvron2023llama2",
+    ),
+    DecoderKVConfig(
+        "Llama-3-8B",
+        4096,
+        32,
+        8,
+        32,
+        128,
+        "dubey2024llama3",
+        "Table 3 of dubey2024llama3 (8B: 32 layers, model dimension 4096, "
+        "32 attention heads, 8 key/value heads)",
+    ),
+    DecoderKVConfig(
+        "Mistral-7B",
+        4096,
+        32,
+        8,
+        32,
+        128,
+        "jiang2023mistral",
+        "Table 1 of jiang2023mistral (dim 4096, n_layers 32, head_dim 128, "
+        "n_heads 32, n_kv_heads 8)",
+        "sliding window of 4096 tokens: its rolling buffer cache keeps at "
+        "most 4096 positions (section 2 of jiang2023mistral)",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class LatentAttentionFigures:
+    """Multi-head latent attention (MLA) in DeepSeek-V2, as its paper has it.
+
+    Every field is quoted from deepseekai2024deepseekv2; nothing here was
+    measured or trained for this book.
+
+    Attributes:
+        num_layers, num_heads, head_dim: l, n_h, d_h (section 3.1.2).
+        kv_compression_dim: d_c, the width of the cached latent vector.
+        rope_head_dim: d_h^R, the width of the cached decoupled RoPE key.
+        equivalent_gqa_groups: Table 1: MLA's cache equals GQA's with this
+            many groups, (d_c + d_h^R) / (2 d_h) = 2.25.
+        kv_cache_reduction_vs_deepseek_67b: the abstract: "reduces the KV
+            cache by 93.3%" compared with DeepSeek 67B.
+    """
+
+    num_layers: int = 60
+    num_heads: int = 128
+    head_dim: int = 128
+    kv_compression_dim: int = 512
+    rope_head_dim: int = 64
+    equivalent_gqa_groups: float = 2.25
+    kv_cache_reduction_vs_deepseek_67b: float = 0.933
+    citation: str = "deepseekai2024deepseekv2"
+    source: str = (
+        "Table 1 (KV cache per token: MHA 2 n_h d_h l, GQA 2 n_g d_h l, "
+        "MQA 2 d_h l, MLA (d_c + d_h^R) l = 9/2 d_h l), section 3.1.2 "
+        "(dimensions), abstract (93.3%)"
+    )
+
+    def elements_per_token(self) -> int:
+        """Table 1's MLA row: ``(d_c + d_h^R) l`` cached elements per token."""
+        return (self.kv_compression_dim + self.rope_head_dim) * self.num_layers
+
+    def mha_elements_per_token(self) -> int:
+        """Table 1's MHA row for the same model: ``2 n_h d_h l``."""
+        return 2 * self.num_heads * self.head_dim * self.num_layers
+
+
+#: DeepSeek-V2's multi-head latent attention, from its paper.
+DEEPSEEK_V2_MLA = LatentAttentionFigures()

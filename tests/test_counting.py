@@ -435,3 +435,39 @@ def test_roofline_rejects_bad_counts() -> None:
         counting.roofline(10, 0)
     with pytest.raises(ValueError, match="head_dim must be a positive int"):
         counting.attention_core_bytes(1, 8, 1, 0)
+
+
+# Key/value caches of published decoders (chapter 12)
+
+
+def test_decoder_kv_cache_bytes_per_token_by_hand() -> None:
+    from mha.counting import DECODER_KV_CONFIGS
+
+    by_name = {c.name: c for c in DECODER_KV_CONFIGS}
+    # 2 (keys and values) x layers x key/value heads x d_k x 2 bytes (16-bit floats).
+    expected = {
+        "Llama-2-7B": 2 * 32 * 32 * 128 * 2,  # 524,288 bytes = 512 KiB
+        "Llama-2-70B": 2 * 80 * 8 * 128 * 2,  # 327,680 bytes = 320 KiB
+        "Llama-3-8B": 2 * 32 * 8 * 128 * 2,  # 131,072 bytes = 128 KiB
+        "Mistral-7B": 2 * 32 * 8 * 128 * 2,
+    }
+    assert {name: c.kv_cache_bytes_per_token() for name, c in by_name.items()} == expected
+    assert by_name["Llama-2-7B"].kv_cache_bytes_per_token() == 512 * 1024
+    for config in DECODER_KV_CONFIGS:
+        assert config.d_model // config.num_heads == config.head_dim
+        assert config.num_heads % config.num_kv_heads == 0
+        ratio = config.mha_kv_cache_bytes_per_token() / config.kv_cache_bytes_per_token()
+        assert ratio == config.num_heads / config.num_kv_heads  # what sharing saves
+        assert config.citation and config.source
+
+
+def test_deepseek_v2_figures_agree_with_each_other() -> None:
+    from mha.counting import DEEPSEEK_V2_MLA as mla
+
+    assert mla.elements_per_token() == (512 + 64) * 60 == 34_560
+    # Table 1: d_c = 4 d_h, d_h^R = d_h / 2: (d_c + d_h^R) l = 9/2 d_h l = GQA with 2.25 groups.
+    assert mla.kv_compression_dim == 4 * mla.head_dim and mla.rope_head_dim == mla.head_dim // 2
+    assert (mla.kv_compression_dim + mla.rope_head_dim) / (2 * mla.head_dim) == (
+        mla.equivalent_gqa_groups
+    )
+    assert mla.mha_elements_per_token() == 2 * 128 * 128 * 60
