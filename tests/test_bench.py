@@ -435,7 +435,8 @@ def test_impl_lists_the_tiled_entries() -> None:
         timeout=120,
         check=True,
     )
-    names = [line.split()[0] for line in completed.stdout.splitlines()[1:]]
+    layer_table = completed.stdout.split("\n\n")[0]  # the decode table follows
+    names = [line.split()[0] for line in layer_table.splitlines()[1:]]
     assert names == list(bench.IMPLEMENTATIONS)
     assert "flash_torch" in names and "triton_attention" in names
 

@@ -53,7 +53,7 @@ def assert_close(actual, expected, dtype=torch.float64):
 @pytest.mark.parametrize("bias", [False, True])
 def test_equal_heads_is_multi_head_attention(bias: bool) -> None:
     torch.manual_seed(1)
-    mha_layer = MultiHeadAttention(D, H, bias=bias, dtype=torch.float64).eval()
+    mha_layer = MultiHeadAttention(D, H, bias=bias, batch_first=True, dtype=torch.float64).eval()
     with torch.no_grad():  # torch zero-initialises biases, which would hide a bias mistake
         for p in mha_layer.parameters():
             p.copy_(torch.randn(p.shape, dtype=torch.float64) * 0.3)
