@@ -31,17 +31,8 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from .reference import (
-    causal_mask,
-    merge_heads,
-    multi_head_attention,
-    multi_head_attention_loop,
-    multi_head_cross_attention,
-    padding_mask,
-    scaled_dot_product_attention,
-    softmax,
-    split_heads,
-)
+from . import reference
+from .reference import *  # noqa: F403  the NumPy reference: mha.softmax, ...
 
 __version__ = "0.1.0"
 
@@ -50,18 +41,7 @@ _LAZY = {
     "MultiHeadAttention": "mha.module",
 }
 
-__all__ = [
-    "softmax",
-    "scaled_dot_product_attention",
-    "split_heads",
-    "merge_heads",
-    "multi_head_attention_loop",
-    "multi_head_attention",
-    "multi_head_cross_attention",
-    "causal_mask",
-    "padding_mask",
-    *_LAZY,
-]
+__all__ = [*reference.__all__, *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -33,6 +33,7 @@ __all__ = [
     "merge_heads",
     "causal_mask",
     "attention",
+    "input_projections",
     "ReferenceWeights",
     "reference_weights",
 ]
@@ -113,6 +114,31 @@ def attention(
     return weights @ v, weights  # (..., T_q, d_v), (..., T_q, T_k)
 
 
+def input_projections(
+    layer: nn.Module,
+) -> tuple[
+    Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None
+]:
+    """W_Q, W_K, W_V and b_Q, b_K, b_V of a torch-style attention layer.
+
+    For ``torch.nn.MultiheadAttention`` and :class:`mha.MultiHeadAttention`:
+    weights in ``nn.Linear``'s (d_out, d_in) layout, cut from the stacked
+    ``in_proj_weight`` (3D, D) or taken from ``q/k/v_proj_weight``; biases cut
+    from ``in_proj_bias`` (3D,), or None. Views, not copies.
+    """
+    D = layer.embed_dim
+    if layer.in_proj_weight is not None:
+        w_q, w_k, w_v = layer.in_proj_weight.split(D)  # (D, D) each
+    else:
+        w_q = layer.q_proj_weight  # (D, D)
+        w_k = layer.k_proj_weight  # (D, kdim)
+        w_v = layer.v_proj_weight  # (D, vdim)
+    b_q = b_k = b_v = None
+    if layer.in_proj_bias is not None:
+        b_q, b_k, b_v = layer.in_proj_bias.split(D)  # (D,) each
+    return w_q, w_k, w_v, b_q, b_k, b_v
+
+
 class ReferenceWeights(NamedTuple):
     """A layer's projections as the NumPy reference writes them.
 
@@ -143,7 +169,6 @@ def reference_weights(
     arrays are C-ordered copies on the CPU, in ``dtype`` (default: the
     layer's).
     """
-    D = layer.embed_dim
 
     def numpy(t: Tensor | None) -> np.ndarray | None:
         return (
@@ -152,17 +177,7 @@ def reference_weights(
             else np.array(t.detach().cpu().numpy(), dtype=dtype, order="C")
         )
 
-    if layer.in_proj_weight is not None:
-        w_q, w_k, w_v = layer.in_proj_weight.split(D)  # (D, D) each
-    else:
-        w_q, w_k, w_v = (
-            layer.q_proj_weight,
-            layer.k_proj_weight,
-            layer.v_proj_weight,
-        )
-    b_q = b_k = b_v = None
-    if layer.in_proj_bias is not None:
-        b_q, b_k, b_v = layer.in_proj_bias.split(D)  # (D,) each
+    w_q, w_k, w_v, b_q, b_k, b_v = input_projections(layer)
     out = layer.out_proj
     return ReferenceWeights(
         numpy(w_q.T),

@@ -849,26 +849,16 @@ def plot_benchmark(
 
     if ax is None:
         _, ax = plt.subplots(figsize=(6.4, 4.2))
+    from .bench.report import series as measured
+
     lengths: set[int] = set()
     for impl, label in series.items():
-        pairs = [
-            (row["seq_len"], row[field])
-            for row in report["results"]
-            if row["impl"] == impl
-            and row["status"] == "ok"
-            and row.get(field) is not None
-        ]
-        if not pairs:
+        seq_lens, values = measured(report, impl, field)
+        if len(seq_lens) == 0:
             continue
-        seq_lens, values = zip(*pairs)
-        lengths.update(seq_lens)
+        lengths.update(seq_lens.tolist())
         style = (styles or {}).get(impl, "o-")
-        ax.plot(
-            seq_lens,
-            np.asarray(values, dtype=float) / scale,
-            style,
-            label=label,
-        )
+        ax.plot(seq_lens, values / scale, style, label=label)
     ticks = sorted(lengths)
     ax.set_xscale("log", base=2)
     ax.set_xticks(ticks, [str(t) for t in ticks])

@@ -217,7 +217,12 @@ def test_compiles_as_one_graph() -> None:
     x = randn(2, 5, 8)
     padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
     compiled = torch.compile(ours, fullgraph=True, backend="eager")
-    for kwargs in ({}, {"need_weights": False, "is_causal": True}, {"key_padding_mask": padding}):
+    for kwargs in (
+        {},
+        {"need_weights": False, "is_causal": True},
+        {"is_causal": True},  # a causal mask built from the reference's
+        {"key_padding_mask": padding},
+    ):
         assert_same(compiled(x, x, x, **kwargs), ours(x, x, x, **kwargs), str(kwargs))
 
 

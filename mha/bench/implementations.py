@@ -176,16 +176,9 @@ def mha_module(
 def torch_mha(layer: nn.MultiheadAttention, x: Tensor, causal: bool) -> Runner:
     """``torch.nn.MultiheadAttention``, ``need_weights=False``.
 
-    This is its fast path.
+    In eval mode without autograd, as the harness calls it: its fast path.
     """
-    # Same tensor as query, key and value: the condition for torch's
-    # self-attention fast path.
-    # torch takes is_causal only as a hint that attn_mask is causal, so the
-    # mask is given too.
-    blocked = ~causal_mask(x.shape[1], device=x.device) if causal else None
-    return lambda: layer(
-        x, x, x, need_weights=False, attn_mask=blocked, is_causal=causal
-    )[0]
+    return _torch_layer(layer, x, causal)
 
 
 @register(
@@ -204,9 +197,17 @@ def torch_mha_general(
     ``F.multi_head_attention_forward``, which hands the core to
     ``F.scaled_dot_product_attention``.
     """
-    general = copy.deepcopy(layer).train()
+    return _torch_layer(copy.deepcopy(layer).train(), x, causal)
+
+
+def _torch_layer(
+    layer: nn.MultiheadAttention, x: Tensor, causal: bool
+) -> Runner:
+    # Same tensor as query, key and value: the condition for torch's
+    # self-attention fast path. torch takes is_causal only as a hint that
+    # attn_mask is causal, so the mask is given too.
     blocked = ~causal_mask(x.shape[1], device=x.device) if causal else None
-    return lambda: general(
+    return lambda: layer(
         x, x, x, need_weights=False, attn_mask=blocked, is_causal=causal
     )[0]
 
