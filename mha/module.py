@@ -7,13 +7,16 @@ It differs only where torch gives NaN or an unclear error, each on purpose:
 
 * A query row whose keys are all masked gets zero weights and a zero attention
   output, never NaN, in the forward pass and in gradients
-  (``torch.nn.MultiheadAttention`` gives NaN there with ``need_weights=True``).
+  (``torch.nn.MultiheadAttention`` gives NaN there with ``need_weights=True``
+  and on its inference fast path).
   The output projection then returns its bias for that row.
 * ``is_causal=True`` works without ``attn_mask`` (a causal mask is built);
-  torch raises an error there. With ``attn_mask`` given, the mask is used as
+  torch raises an error there, or ignores the flag on its inference fast
+  path. With ``attn_mask`` given, the mask is used as
   given; torch may ignore it, and ours checks its shape.
 * Extra keys (``add_bias_kv``, ``add_zero_attn``) stay visible to every query
-  under every mask; torch hides them on its ``is_causal`` fast route.
+  under every mask; torch hides them on its ``is_causal`` route through
+  ``F.scaled_dot_product_attention`` (``need_weights=False``).
 * ``head_mask`` multiplies each head's output, to switch heads off without
   retraining.
 * Bad input raises ``ValueError`` / ``TypeError`` naming the argument, where

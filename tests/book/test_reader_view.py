@@ -94,10 +94,10 @@ MEASURE = r"""
     if (alt.length < 20 || /[\/\\]|\.(png|jpe?g|svg|gif)$/i.test(alt)) {
       problems.push(`image without a descriptive alt text: "${alt.slice(0, 60)}"`);
     }
-    // The size the figure was drawn for: a 2x ("retina") image carries it in its style or
-    // width attribute, a plain one is meant to be shown at its natural size.
-    const intended = parseFloat(img.style.width) || parseFloat(img.getAttribute('width'))
-      || img.naturalWidth;
+    // A figure sent at twice its resolution ("retina") carries its size in CSS pixels.
+    const styled = img.style.width.endsWith('px') ? parseFloat(img.style.width) : 0;
+    const intended = img.getAttribute('width') ? parseFloat(img.getAttribute('width'))
+      : styled || img.naturalWidth;
     const shown = img.getBoundingClientRect().width;
     if (intended && shown < 0.95 * intended) {
       problems.push(`image "${alt.slice(0, 40)}" shrunk to ${Math.round(100 * shown / intended)}%`
