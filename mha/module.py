@@ -390,6 +390,11 @@ class MultiHeadAttention(nn.Module):
                 raise TypeError(
                     f"{name} must be a torch.Tensor, got {type(x).__name__}"
                 )
+            if x.is_nested:
+                raise TypeError(
+                    f"{name} must be a regular tensor, got a nested tensor: "
+                    "pad the sequences and pass key_padding_mask"
+                )
             if not x.is_floating_point():
                 raise TypeError(
                     f"{name} must be a floating-point tensor, "

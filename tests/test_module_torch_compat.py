@@ -284,3 +284,10 @@ def test_extra_keys_stay_visible_under_is_causal() -> None:
         torch.testing.assert_close(got, expected, rtol=TOL, atol=TOL)
     hidden, _ = theirs(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)
     assert not torch.allclose(hidden, expected)  # torch's two routes disagree
+
+
+def test_nested_tensors_are_refused_clearly() -> None:
+    module = MultiHeadAttention(8, 2, batch_first=True)
+    nested = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)])
+    with pytest.raises(TypeError, match="query must be a regular tensor, got a nested tensor"):
+        module(nested, nested, nested)
