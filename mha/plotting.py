@@ -185,7 +185,7 @@ def _draw_map(
                     f"{value:.2f}",
                     ha="center",
                     va="center",
-                    fontsize=8 if fontsize is None else fontsize - 1,
+                    fontsize=max(MIN_FONT_SIZE, (fontsize or 9) - 1),
                     color="white" if value > 0.6 * vmax else "black",
                 )
     return image
