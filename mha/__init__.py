@@ -16,6 +16,7 @@ module                      what it holds               chapters  tests
 :mod:`mha.plotting`         maps, grids, benchmarks     all       (drawn in chapters)
 :mod:`mha.bench`            ``python -m mha.bench``     09        test_bench
 :mod:`mha.tiny`             the tiny induction model    10        test_tiny
+:mod:`mha.parallel`         heads across processes      14        test_parallel
 ==========================  ==========================  ========  ======================
 
 The order inside a topic: the NumPy reference first, then the torch or fast
@@ -48,6 +49,11 @@ __version__ = "0.1.0"
 # Names that live in modules importing torch, loaded on first access.
 _LAZY = {
     "MultiHeadAttention": "mha.module",
+    "HeadShard": "mha.parallel",
+    "shard_heads": "mha.parallel",
+    "parallelize_heads": "mha.parallel",
+    "copy_to_ranks": "mha.parallel",
+    "sum_over_ranks": "mha.parallel",
 }
 
 __all__ = [
