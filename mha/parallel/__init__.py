@@ -9,9 +9,14 @@ by output features (column-parallel), the output projection by input features
   and :class:`HeadShard` (by hand), :func:`parallelize_heads` (DTensor).
 * :mod:`mha.parallel.collectives`: :class:`CollectiveCounter`, memory
   saved for the backward pass.
+* :mod:`mha.parallel.launch`: N local processes, stopped together on the
+  first failure or at a timeout.
+* :mod:`mha.parallel.cli`: ``python -m mha.parallel --nproc 2 --check``.
 """
 
+from .cli import TOLERANCE, run_benchmark, run_check
 from .collectives import Collective, CollectiveCounter, saved_tensor_bytes
+from .launch import LaunchError, launch
 from .layers import (
     HeadShard,
     SelfAttention,
@@ -35,4 +40,9 @@ __all__ = [
     "Collective",
     "CollectiveCounter",
     "saved_tensor_bytes",
+    "LaunchError",
+    "launch",
+    "run_check",
+    "run_benchmark",
+    "TOLERANCE",
 ]

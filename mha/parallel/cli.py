@@ -1,0 +1,335 @@
+"""``python -m mha.parallel``: the split layer on N local processes.
+
+``--check`` compares both split layers (by hand and DTensor) with the
+single-process layer and prints one JSON line: ``max_abs_diff``,
+``grad_max_abs_diff``, ``all_reduce_calls`` and ``bytes_all_reduced`` (per
+forward, per process), ``seconds`` (the whole run), and more. The exit status
+is 0 only if the differences are below the tolerance of the dtype and each
+forward all-reduced exactly once, B * T * D numbers. ``--bench`` times the
+forward on 1 process and on N and writes a JSON file for ``benchmarks/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .._validate import check_choice, check_divisible, check_int
+from .launch import LaunchError, launch
+
+__all__ = ["run_check", "run_benchmark", "main", "TOLERANCE"]
+
+#: Largest difference from the single-process layer that --check accepts.
+TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
+ITEMSIZE = {"float32": 4, "float64": 8}
+
+
+def run_check(
+    nproc: int = 2,
+    *,
+    batch: int = 2,
+    seq_len: int = 8,
+    embed_dim: int = 32,
+    num_heads: int = 4,
+    dtype: str = "float32",
+    device: str = "cpu",
+    causal: bool = False,
+    seed: int = 0,
+    timeout: float = 120.0,
+    fail_rank: int | None = None,
+    hang_rank: int | None = None,
+) -> dict[str, Any]:
+    """Launch ``nproc`` processes, compare with one process, summarise.
+
+    Bad arguments (``num_heads`` not divisible by ``nproc``, ...) raise
+    ``ValueError`` / ``TypeError`` before any process starts; a failed or
+    hung rank raises :class:`mha.parallel.LaunchError`.
+    """
+    config = _config(
+        "check", nproc, batch, seq_len, embed_dim, num_heads, dtype, device
+    )
+    config.update(causal=bool(causal), seed=seed, timeout=timeout)
+    config.update(fail_rank=fail_rank, hang_rank=hang_rank)
+    start = time.perf_counter()
+    ranks, pids = launch(nproc, config, timeout=timeout)
+    seconds = time.perf_counter() - start
+    return _summary(config, ranks, pids, seconds)
+
+
+def run_benchmark(
+    nproc: int = 2,
+    *,
+    batch: int = 4,
+    seq_len: int = 256,
+    embed_dim: int = 512,
+    num_heads: int = 8,
+    dtype: str = "float32",
+    device: str = "cpu",
+    repeats: int = 30,
+    warmup: int = 5,
+    timeout: float = 300.0,
+) -> dict[str, Any]:
+    """Time the split layer on 1 process and on ``nproc``.
+
+    Three runs: 1 process with 1 thread, 1 process with ``nproc`` threads,
+    ``nproc`` processes with 1 thread each.
+    """
+    config = _config(
+        "bench", nproc, batch, seq_len, embed_dim, num_heads, dtype, device
+    )
+    config.update(
+        repeats=check_int("repeats", repeats),
+        warmup=check_int("warmup", warmup, minimum=0),
+        timeout=timeout,
+        seed=0,
+    )
+    runs = []
+    for procs, threads in ((1, 1), (1, nproc), (nproc, 1)):
+        ranks, _ = launch(
+            procs, {**config, "threads": threads}, timeout=timeout
+        )
+        runs.append(_bench_summary(procs, threads, ranks))
+    from ..bench.environment import environment
+
+    return {
+        "environment": environment(device, dtype),
+        "config": {k: config[k] for k in _SHAPE_KEYS + ("repeats", "warmup")},
+        "bytes_formula": _formula_bytes(config),
+        "runs": runs,
+    }
+
+
+_SHAPE_KEYS = ("batch", "seq_len", "embed_dim", "num_heads", "dtype", "device")
+
+
+def _config(job, nproc, batch, seq_len, embed_dim, num_heads, dtype, device):
+    """Check every argument before any process starts."""
+    nproc = check_int("nproc", nproc)
+    sizes = {
+        "batch": batch,
+        "seq_len": seq_len,
+        "embed_dim": embed_dim,
+        "num_heads": num_heads,
+    }
+    sizes = {name: check_int(name, value) for name, value in sizes.items()}
+    check_divisible("embed_dim", embed_dim, "num_heads", num_heads)
+    check_divisible("num_heads", num_heads, "nproc", nproc)
+    check_choice("dtype", dtype, tuple(TOLERANCE))
+    check_choice("device", device, ("cpu", "cuda"))
+    if device == "cuda":
+        _check_gpus(nproc)
+    return {
+        "job": job,
+        "nproc": nproc,
+        "dtype": dtype,
+        "device": device,
+        **sizes,
+    }
+
+
+def _check_gpus(nproc: int) -> None:
+    import torch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < nproc:
+        raise ValueError(
+            f"nproc must be at most the number of CUDA GPUs ({found}) with "
+            f"device='cuda', got {nproc}"
+        )
+
+
+def _formula_bytes(config: dict[str, Any]) -> int:
+    """B * T * D * bytes per number: the (B, T, D) output, summed once."""
+    B, T, D = config["batch"], config["seq_len"], config["embed_dim"]
+    return B * T * D * ITEMSIZE[config["dtype"]]
+
+
+def _summary(config, ranks, pids, seconds) -> dict[str, Any]:
+    """The worst difference over ranks and both versions; rank 0's counts."""
+    versions = {
+        name: {
+            key: (
+                max(r[name][key] for r in ranks)
+                if "diff" in key
+                else ranks[0][name][key]
+            )
+            for key in ranks[0][name]
+        }
+        for name in ("hand", "dtensor")
+    }
+    agree = all(
+        r[name][key] == ranks[0][name][key]
+        for r in ranks
+        for name in versions
+        for key in versions[name]
+        if "diff" not in key
+    )
+    hand, dtensor = versions["hand"], versions["dtensor"]
+    formula = _formula_bytes(config)
+    tolerance = TOLERANCE[config["dtype"]]
+    summary = {
+        **{k: config[k] for k in ("nproc",) + _SHAPE_KEYS},
+        "causal": config["causal"],
+        "max_abs_diff": max(hand["max_abs_diff"], dtensor["max_abs_diff"]),
+        "grad_max_abs_diff": max(
+            hand["grad_max_abs_diff"], dtensor["grad_max_abs_diff"]
+        ),
+        "all_reduce_calls": hand["all_reduce_calls"],
+        "bytes_all_reduced": hand["bytes_all_reduced"],
+        "bytes_formula": formula,
+        "backward_all_reduce_calls": hand["backward_all_reduce_calls"],
+        "dtensor": {k: v for k, v in dtensor.items()},
+        "hand": {k: v for k, v in hand.items()},
+        "ranks_agree": agree,
+        "tolerance": tolerance,
+        "seconds": round(seconds, 3),
+        "pids": pids,
+    }
+    summary["ok"] = bool(
+        agree
+        and summary["max_abs_diff"] < tolerance
+        and summary["grad_max_abs_diff"] < tolerance
+        and all(v["all_reduce_calls"] == 1 for v in (hand, dtensor))
+        and all(v["bytes_all_reduced"] == formula for v in (hand, dtensor))
+        and all(
+            v["forward_collectives"] == ["all_reduce"] for v in (hand, dtensor)
+        )
+    )
+    return summary
+
+
+def _bench_summary(procs, threads, ranks) -> dict[str, Any]:
+    def median(key):
+        per_rank = [statistics.median(r[key]) for r in ranks if key in r]
+        return max(per_rank) if per_rank else None
+
+    return {
+        "processes": procs,
+        "threads_per_process": threads,
+        "forward_median_s": median("forward_s"),
+        "all_reduce_median_s": median("all_reduce_s"),
+        "whole_layer_forward_median_s": median("whole_layer_forward_s"),
+        "weight_bytes_per_process": [r["weight_bytes"] for r in ranks],
+        "activation_bytes_per_process": [r["activation_bytes"] for r in ranks],
+        "forward_s_per_rank": [r["forward_s"] for r in ranks],
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m mha.parallel",
+        description="Multi-head attention split by heads over N local "
+        "processes (torch.distributed: gloo on CPUs, NCCL on GPUs).",
+    )
+    job = p.add_mutually_exclusive_group(required=True)
+    job.add_argument(
+        "--check",
+        action="store_true",
+        help="compare with one process, print one JSON line",
+    )
+    job.add_argument(
+        "--bench",
+        action="store_true",
+        help="time 1 and N processes, write --output",
+    )
+    job.add_argument("--worker", metavar="CONFIG", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--nproc", type=int, default=2, help="number of processes (default 2)"
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", choices=tuple(TOLERANCE), default="float32")
+    p.add_argument("--batch", type=int, help="B")
+    p.add_argument("--seq-len", type=int, help="T")
+    p.add_argument("--embed-dim", type=int, help="D")
+    p.add_argument("--heads", type=int, help="H")
+    p.add_argument(
+        "--causal", action="store_true", help="causal self-attention (--check)"
+    )
+    p.add_argument(
+        "--timeout", type=float, help="seconds before every process is stopped"
+    )
+    p.add_argument(
+        "--repeats", type=int, help="timed calls per configuration (--bench)"
+    )
+    p.add_argument("--output", type=Path, help="JSON file to write (--bench)")
+    p.add_argument(
+        "--fail-rank",
+        type=int,
+        help="this rank raises an error (to see a failure)",
+    )
+    p.add_argument(
+        "--hang-rank",
+        type=int,
+        help="this rank stops responding (to see the timeout)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.worker is not None:
+        from .jobs import worker_main
+
+        worker_main(json.loads(args.worker))
+        return 0
+    options = {
+        key: value
+        for key, value in (
+            ("batch", args.batch),
+            ("seq_len", args.seq_len),
+            ("embed_dim", args.embed_dim),
+            ("num_heads", args.heads),
+            ("timeout", args.timeout),
+        )
+        if value is not None
+    }
+    options.update(dtype=args.dtype, device=args.device)
+    try:
+        if args.check:
+            summary = run_check(
+                args.nproc,
+                causal=args.causal,
+                fail_rank=args.fail_rank,
+                hang_rank=args.hang_rank,
+                **options,
+            )
+            print(json.dumps(summary), flush=True)
+            return 0 if summary["ok"] else 1
+        if args.repeats is not None:
+            options["repeats"] = args.repeats
+        results = run_benchmark(args.nproc, **options)
+        _write(results, args.output)
+        return 0
+    except (ValueError, TypeError) as error:
+        print(
+            f"python -m mha.parallel: {type(error).__name__}: {error}",
+            file=sys.stderr,
+        )
+        return 2
+    except LaunchError as error:
+        print(
+            f"python -m mha.parallel: the run failed:\n{error}",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _write(results: dict[str, Any], output: Path | None) -> None:
+    """Print the runs; write the JSON whole (a temporary file, renamed)."""
+    for run in results["runs"]:
+        print(
+            json.dumps(
+                {k: v for k, v in run.items() if k != "forward_s_per_rank"}
+            )
+        )
+    if output is None:
+        return
+    tmp = output.with_name(output.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=1) + "\n")
+    os.replace(tmp, output)
