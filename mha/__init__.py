@@ -16,6 +16,8 @@ module                      what it holds               chapters  tests
 :mod:`mha.plotting`         maps, grids, benchmarks     all       (drawn in chapters)
 :mod:`mha.bench`            ``python -m mha.bench``     09        test_bench
 :mod:`mha.tiny`             the tiny induction model    10        test_tiny
+:mod:`mha.positions`        sinusoidal, learned, RoPE   11, 12    test_positions
+:mod:`mha.decoding`         GQA, KV caches, generation  12        test_decoding
 :mod:`mha.parallel`         heads across processes      14        test_parallel
 ==========================  ==========================  ========  ======================
 
@@ -49,6 +51,14 @@ __version__ = "0.1.0"
 # Names that live in modules importing torch, loaded on first access.
 _LAZY = {
     "MultiHeadAttention": "mha.module",
+    "sinusoidal_positions": "mha.positions",
+    "LearnedPositions": "mha.positions",
+    "apply_rope": "mha.positions",
+    "GroupedQueryAttention": "mha.decoding",
+    "KVCache": "mha.decoding",
+    "ConcatKVCache": "mha.decoding",
+    "grouped_from_multi_head": "mha.decoding",
+    "generate": "mha.decoding",
     "HeadShard": "mha.parallel",
     "shard_heads": "mha.parallel",
     "parallelize_heads": "mha.parallel",

@@ -8,6 +8,9 @@
 * :func:`attention`: scaled dot-product attention that returns its weights.
 * :func:`reference_weights`: a torch layer's projections in the NumPy
   reference's layout.
+* :func:`grouped_query_state_dict`: a torch layer's projections under the
+  names of :class:`mha.GroupedQueryAttention` and ``transformers``'
+  ``LlamaAttention``.
 
 Mask convention for new code: a boolean mask is ``True`` where a query **may
 attend** (the reference's and ``F.scaled_dot_product_attention``'s convention);
@@ -35,6 +38,7 @@ __all__ = [
     "attention",
     "ReferenceWeights",
     "reference_weights",
+    "grouped_query_state_dict",
 ]
 
 
@@ -170,3 +174,42 @@ def reference_weights(
         numpy(b_v),
         numpy(out.bias),
     )
+
+
+def grouped_query_state_dict(layer: nn.Module) -> dict[str, Tensor]:
+    """A torch MHA layer's projections under ``LlamaAttention``'s names.
+
+    ``layer``: a ``torch.nn.MultiheadAttention`` or
+    :class:`mha.MultiHeadAttention`. Returns a state_dict for
+    :class:`mha.GroupedQueryAttention` with
+    ``num_kv_heads = num_heads`` (and for ``transformers``' ``LlamaAttention``,
+    whose names it shares): ``in_proj_weight`` (3D, D) is cut into
+    ``q_proj.weight``, ``k_proj.weight``, ``v_proj.weight`` (D, D) each,
+    ``out_proj`` becomes ``o_proj``; biases likewise. Both layouts store
+    ``nn.Linear`` weights as (d_out, d_in), so nothing is transposed. The
+    tensors are copies.
+    """
+    D = layer.embed_dim
+    if getattr(layer, "kdim", D) != D or getattr(layer, "vdim", D) != D:
+        raise ValueError(
+            "layer must have kdim = vdim = embed_dim (self-attention), got "
+            f"kdim={layer.kdim}, vdim={layer.vdim}, embed_dim={D}"
+        )
+    w_q, w_k, w_v = layer.in_proj_weight.split(D)  # (D, D) each
+    state = {
+        "q_proj.weight": w_q,
+        "k_proj.weight": w_k,
+        "v_proj.weight": w_v,
+        "o_proj.weight": layer.out_proj.weight,
+    }
+    if layer.in_proj_bias is not None:
+        b_q, b_k, b_v = layer.in_proj_bias.split(D)  # (D,) each
+        state.update(
+            {
+                "q_proj.bias": b_q,
+                "k_proj.bias": b_k,
+                "v_proj.bias": b_v,
+                "o_proj.bias": layer.out_proj.bias,
+            }
+        )
+    return {name: t.detach().clone() for name, t in state.items()}
