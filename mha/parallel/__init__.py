@@ -12,37 +12,40 @@ by output features (column-parallel), the output projection by input features
 * :mod:`mha.parallel.launch`: N local processes, stopped together on the
   first failure or at a timeout.
 * :mod:`mha.parallel.cli`: ``python -m mha.parallel --nproc 2 --check``.
+
+The launcher needs no torch (it only starts processes), so the names load on
+first use, and ``python -m mha.parallel`` starts fast.
 """
 
-from .cli import TOLERANCE, run_benchmark, run_check
-from .collectives import Collective, CollectiveCounter, saved_tensor_bytes
-from .launch import LaunchError, launch
-from .layers import (
-    HeadShard,
-    SelfAttention,
-    copy_to_ranks,
-    head_slice,
-    parallelize_heads,
-    shard_heads,
-    sum_over_ranks,
-    unfuse,
-)
+from __future__ import annotations
 
-__all__ = [
-    "SelfAttention",
-    "HeadShard",
-    "unfuse",
-    "shard_heads",
-    "head_slice",
-    "copy_to_ranks",
-    "sum_over_ranks",
-    "parallelize_heads",
-    "Collective",
-    "CollectiveCounter",
-    "saved_tensor_bytes",
-    "LaunchError",
-    "launch",
-    "run_check",
-    "run_benchmark",
-    "TOLERANCE",
-]
+from importlib import import_module
+from typing import Any
+
+_LAZY = {
+    "SelfAttention": "layers",
+    "HeadShard": "layers",
+    "unfuse": "layers",
+    "shard_heads": "layers",
+    "query_heads": "layers",
+    "kv_heads": "layers",
+    "copy_to_ranks": "layers",
+    "sum_over_ranks": "layers",
+    "parallelize_heads": "layers",
+    "Collective": "collectives",
+    "CollectiveCounter": "collectives",
+    "saved_tensor_bytes": "collectives",
+    "LaunchError": "launch",
+    "launch": "launch",
+    "run_check": "cli",
+    "run_benchmark": "cli",
+    "TOLERANCE": "cli",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..decoding import GroupedQueryAttention
 from ..module import MultiHeadAttention
 from .collectives import CollectiveCounter, saved_tensor_bytes
 from .launch import die_with_parent
@@ -53,11 +54,22 @@ def worker_main(config: dict[str, Any]) -> None:
 
 
 def make_problem(config: dict[str, Any], device: torch.device):
-    """The seeded layer (random weights *and* biases), input, upstream grad."""
+    """The seeded layer (random weights *and* biases), input, upstream grad.
+
+    ``config["num_kv_heads"]`` None: a :class:`mha.MultiHeadAttention`;
+    otherwise a :class:`mha.GroupedQueryAttention` with rotary positions.
+    """
     dtype = DTYPES[config["dtype"]]
     gen = torch.Generator().manual_seed(config["seed"])
-    D, H = config["embed_dim"], config["num_heads"]
-    layer = MultiHeadAttention(D, H, dtype=dtype)
+    D, H, H_kv = (
+        config["embed_dim"],
+        config["num_heads"],
+        config["num_kv_heads"],
+    )
+    if H_kv is None:
+        layer = MultiHeadAttention(D, H, dtype=dtype)
+    else:
+        layer = GroupedQueryAttention(D, H, H_kv, bias=True, dtype=dtype)
     with torch.no_grad():
         for p in layer.parameters():  # torch's zero biases would hide a bug
             p.copy_(torch.randn(p.shape, generator=gen, dtype=dtype) / D**0.5)
@@ -67,28 +79,37 @@ def make_problem(config: dict[str, Any], device: torch.device):
     return layer.to(device), x.to(device), grad_out.to(device)
 
 
+def reference(layer, x: Tensor, causal: bool) -> Tensor:
+    """The single-process layer's output, by its own forward."""
+    if isinstance(layer, MultiHeadAttention):
+        return layer(x, x, x, need_weights=False, is_causal=causal)[0]
+    return layer(x, is_causal=causal)
+
+
 def check_rank(rank, world, device, config) -> dict[str, Any]:
     """Both split layers against the whole: outputs, gradients, collectives."""
     layer, x, grad_out = make_problem(config, device)
     causal = config["causal"]
     x_ref = x.clone().requires_grad_()
-    out_ref, _ = layer(
-        x_ref, x_ref, x_ref, need_weights=False, is_causal=causal
-    )
+    out_ref = reference(layer, x_ref, causal)
     out_ref.backward(grad_out)
     expected = _expected_gradients(layer, rank, world)
 
     shard = shard_heads(layer, rank, world)
     hand = _run(shard, x, grad_out, causal)
+    if shard.kv_replicas > 1:  # replicas' k, v gradients: shares of one
+        _sum_replicated(shard, world)
+    result = {"hand": _compare(hand, out_ref, x_ref.grad, expected)}
+    if getattr(layer, "num_kv_heads", layer.num_heads) % world:
+        result["dtensor"] = None  # ColwiseParallel would cut a k/v head
+        return result
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (world,))
     full = parallelize_heads(unfuse(layer), mesh)
     dtensor = _run(full, x, grad_out, causal)
-    return {
-        name: _compare(run, out_ref, x_ref.grad, expected)
-        for name, run in (("hand", hand), ("dtensor", dtensor))
-    }
+    result["dtensor"] = _compare(dtensor, out_ref, x_ref.grad, expected)
+    return result
 
 
 def bench_rank(rank, world, device, config) -> dict[str, Any]:
@@ -124,12 +145,12 @@ def _run(module, x: Tensor, grad_out: Tensor, causal: bool):
         out = module(x, is_causal=causal)
     with CollectiveCounter() as backward:
         out.backward(grad_out)
-    grads = {name: _local(p.grad) for name, p in module.named_parameters()}
-    return _local(out), grads, x.grad, forward, backward
+    return _local(out), module, x.grad, forward, backward
 
 
 def _compare(run, out_ref, x_grad_ref, expected) -> dict[str, Any]:
-    out, grads, x_grad, forward, backward = run
+    out, module, x_grad, forward, backward = run
+    grads = {name: _local(p.grad) for name, p in module.named_parameters()}
     if set(grads) != set(expected):
         raise RuntimeError(
             f"parameters {sorted(grads)}, expected {sorted(expected)}"
@@ -149,21 +170,51 @@ def _compare(run, out_ref, x_grad_ref, expected) -> dict[str, Any]:
 
 def _expected_gradients(layer, rank: int, world: int) -> dict[str, Tensor]:
     """The whole layer's gradients, cut by hand into rank's heads."""
-    D = layer.embed_dim
-    width = D // world  # rank owns heads rank*H/N ..., features rank*D/N ...
+    D, H = layer.embed_dim, layer.num_heads
+    d_k = D // H
+    width = D // world  # rank owns query heads rank*H/N ..., features ...
     own = slice(rank * width, (rank + 1) * width)
-    w_q, w_k, w_v = layer.in_proj_weight.grad.split(D)  # (D, D) each
-    b_q, b_k, b_v = layer.in_proj_bias.grad.split(D)  # (D,) each
-    return {
-        "q_proj.weight": w_q[own],
-        "k_proj.weight": w_k[own],
-        "v_proj.weight": w_v[own],
-        "q_proj.bias": b_q[own],
-        "k_proj.bias": b_k[own],
-        "v_proj.bias": b_v[own],
-        "o_proj.weight": layer.out_proj.weight.grad[:, own],
-        "o_proj.bias": layer.out_proj.bias.grad,
-    }
+    if isinstance(layer, MultiHeadAttention):
+        grads = dict(
+            zip(("q", "k", "v"), layer.in_proj_weight.grad.split(D))
+        )  # (D, D) each
+        biases = dict(zip(("q", "k", "v"), layer.in_proj_bias.grad.split(D)))
+        o_weight, o_bias = layer.out_proj.weight.grad, layer.out_proj.bias.grad
+        own_kv = own
+    else:
+        proj = {n: getattr(layer, f"{n}_proj") for n in ("q", "k", "v", "o")}
+        grads = {n: p.weight.grad for n, p in proj.items()}
+        biases = {n: p.bias.grad for n, p in proj.items()}
+        o_weight, o_bias = grads.pop("o"), biases.pop("o")
+        H_kv = layer.num_kv_heads
+        if H_kv >= world:  # H_kv / N key/value heads each
+            kv_width = H_kv * d_k // world
+            own_kv = slice(rank * kv_width, (rank + 1) * kv_width)
+        else:  # the one key/value head that N / H_kv processes share
+            head = rank * H_kv // world
+            own_kv = slice(head * d_k, (head + 1) * d_k)
+    expected = {}
+    for name in ("q", "k", "v"):
+        rows = own if name == "q" else own_kv
+        expected[f"{name}_proj.weight"] = grads[name][rows]
+        expected[f"{name}_proj.bias"] = biases[name][rows]
+    expected["o_proj.weight"] = o_weight[:, own]  # its columns
+    expected["o_proj.bias"] = o_bias
+    return expected
+
+
+def _sum_replicated(shard, world: int) -> None:
+    """Sum the k, v gradients over the processes sharing a key/value head.
+
+    What a training step does before the optimizer: each replica's gradient
+    holds only what its own query heads contributed.
+    """
+    replicas = shard.kv_replicas
+    ranks = [list(range(j, j + replicas)) for j in range(0, world, replicas)]
+    group, _ = dist.new_subgroups_by_enumeration(ranks)
+    for proj in (shard.k_proj, shard.v_proj):
+        for p in proj.parameters():
+            dist.all_reduce(p.grad, group=group)
 
 
 def _local(t: Tensor) -> Tensor:

@@ -66,6 +66,11 @@ def launch(
                     _start(rank, nproc, port, config, threads, out, err)
                 )
             _wait(procs, logs, timeout)
+        except LaunchError as error:
+            pids = [p.pid for p in procs]
+            raise LaunchError(
+                f"{error}\n(worker pids {pids}, stopped)"
+            ) from None
         finally:
             _stop(procs)
         results = [_result(rank, out) for rank, (out, _) in enumerate(logs)]

@@ -17,13 +17,19 @@ Two ways to the same layer:
 * with DTensor: :func:`parallelize_heads` hands the same plan to
   ``torch.distributed.tensor.parallel.parallelize_module``.
 
-Both start from :class:`SelfAttention`, multi-head self-attention with
-separate ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` (``nn.Linear``, the
-names of ``transformers``' Llama). :func:`unfuse` turns a
-:class:`mha.MultiHeadAttention`, whose ``in_proj_weight`` holds ``W_Q``,
-``W_K``, ``W_V`` stacked as one ``(3D, D)`` matrix, into one: a fused matrix
-cannot be cut by rows into heads without cutting each of its three blocks, so
-the three blocks become three ``nn.Linear`` first.
+Both start from :class:`SelfAttention`: self-attention with separate
+``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` (``nn.Linear``, the names of
+``transformers``' Llama and of :class:`mha.GroupedQueryAttention`).
+:func:`unfuse` makes one from a :class:`mha.MultiHeadAttention`, whose
+``in_proj_weight`` holds ``W_Q``, ``W_K``, ``W_V`` stacked as one ``(3D, D)``
+matrix: the heads of a fused matrix are three separate row blocks, so the
+three are made separate ``nn.Linear`` first, each then cut by heads.
+
+Grouped-query layers (``H_kv`` key/value heads, each read by ``G = H / H_kv``
+query heads) are split with their groups: a process owning query heads
+``h`` also owns key/value heads ``h // G``. With fewer key/value heads than
+processes (``H_kv < N``, ``N`` a multiple of ``H_kv``), each key/value head
+is *replicated* on the ``N / H_kv`` processes whose query heads read it.
 """
 
 from __future__ import annotations
@@ -36,32 +42,32 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._validate import check_divisible, check_int
-from ..functional import attention, causal_mask, merge_heads, split_heads
+from ..decoding import GroupedQueryAttention, grouped_attention
+from ..functional import causal_mask, merge_heads, split_heads
 from ..module import MultiHeadAttention
+from ..positions import apply_rope
 
 __all__ = [
     "SelfAttention",
     "HeadShard",
     "unfuse",
     "shard_heads",
-    "head_slice",
+    "query_heads",
+    "kv_heads",
     "copy_to_ranks",
     "sum_over_ranks",
     "parallelize_heads",
 ]
 
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
-
 
 class SelfAttention(nn.Module):
-    """Multi-head self-attention with separate q, k, v and output projections.
+    """Self-attention with separate q, k, v and output projections (nn.Linear).
 
-    ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` are ``nn.Linear``.
-
-    The number of heads is read from the width of ``q_proj`` (``-1`` in the
-    view of :func:`mha.functional.split_heads`), so one forward serves the
-    whole layer, one process's shard of it, and a layer whose projections
-    DTensor has sharded. No attention dropout; masks: ``is_causal`` only.
+    ``q_proj`` (H d_k, D), ``k_proj`` and ``v_proj`` (H_kv d_k, D), ``o_proj``
+    (D, H d_k). The head counts are read from the projections' widths (and
+    ``-1`` in :func:`mha.functional.split_heads`), so the same code runs the
+    whole layer and any process's share of it. ``rope_base``: rotary
+    positions 0 .. T-1 (None: none). No dropout; masks: ``is_causal`` only.
     """
 
     def __init__(
@@ -71,24 +77,31 @@ class SelfAttention(nn.Module):
         v_proj: nn.Linear,
         o_proj: nn.Linear,
         head_dim: int,
+        rope_base: float | None = None,
     ) -> None:
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj = q_proj, k_proj, v_proj
         self.o_proj = o_proj
         self.head_dim = check_int("head_dim", head_dim)
-        self.num_heads = check_divisible(
-            "q_proj.out_features", q_proj.out_features, "head_dim", head_dim
-        )
+        self.rope_base = rope_base
+        self.num_heads, self.num_kv_heads = _check_widths(self)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool):
+        """q (B, H, T, d_k), k and v (B, H_kv, T, d_k) -> (B, H, T, d_k)."""
+        T = q.shape[2]
+        if self.rope_base is not None:  # turn q and k by their positions
+            positions = torch.arange(T, device=q.device)
+            q = apply_rope(q, positions, self.rope_base)
+            k = apply_rope(k, positions, self.rope_base)
+        keep = causal_mask(T, device=q.device) if is_causal else None
+        return grouped_attention(q, k, v, keep)  # (B, H, T, d_k)
 
     def merged_heads(self, x: Tensor, is_causal: bool = False) -> Tensor:
-        """(B, T, D) -> every head's output, side by side: (B, T, H * d_k)."""
-        q, k, v = (
-            split_heads(proj(x), self.head_dim)  # (B, H, T, d_k)
-            for proj in (self.q_proj, self.k_proj, self.v_proj)
-        )
-        mask = _causal_mask_like(q) if is_causal else None  # (T, T)
-        heads, _ = attention(q, k, v, mask)  # (B, H, T, d_k)
-        return merge_heads(heads)  # (B, T, H * d_k)
+        """(B, T, D) -> every head's output, side by side: (B, T, H d_k)."""
+        q = split_heads(self.q_proj(x), self.head_dim)  # (B, H, T, d_k)
+        k = split_heads(self.k_proj(x), self.head_dim)  # (B, H_kv, T, d_k)
+        v = split_heads(self.v_proj(x), self.head_dim)  # (B, H_kv, T, d_k)
+        return merge_heads(self.attend(q, k, v, is_causal))  # (B, T, H d_k)
 
     def forward(self, x: Tensor, is_causal: bool = False) -> Tensor:
         """(B, T, D) -> (B, T, D)."""
@@ -98,18 +111,22 @@ class SelfAttention(nn.Module):
 class HeadShard(SelfAttention):
     """One process's heads of a layer; the forward sums all processes' shares.
 
-    ``q_proj``, ``k_proj``, ``v_proj``: this process's rows, ``(H/N * d_k,
-    D)``; ``o_proj.weight``: its columns, ``(D, H/N * d_k)``; ``o_proj.bias``
-    (all of it, on every process) is added once, after the sum.
+    ``q_proj``: this process's rows, (H/N d_k, D); ``k_proj``, ``v_proj``:
+    the rows of the key/value heads its query heads read; ``o_proj.weight``:
+    its columns, (D, H/N d_k); ``o_proj.bias`` (all of it, on every process)
+    is added once, after the sum. ``kv_replicas``: how many processes hold
+    the same key/value heads (1 unless H_kv < N); their ``k_proj`` and
+    ``v_proj`` gradients are each a share, to be summed over those processes.
     """
 
-    def __init__(self, *projections: nn.Linear, head_dim: int, group=None):
-        super().__init__(*projections, head_dim=head_dim)
+    def __init__(self, *projections, head_dim, rope_base, kv_replicas, group):
+        super().__init__(*projections, head_dim, rope_base)
+        self.kv_replicas = kv_replicas
         self.group = group  # None: every process (torch.distributed's WORLD)
 
     def partial_output(self, x: Tensor, is_causal: bool = False) -> Tensor:
         """This process's heads' share of the output, no bias: (B, T, D)."""
-        merged = self.merged_heads(x, is_causal)  # (B, T, H/N * d_k)
+        merged = self.merged_heads(x, is_causal)  # (B, T, H/N d_k)
         return F.linear(merged, self.o_proj.weight)  # (B, T, D)
 
     def forward(self, x: Tensor, is_causal: bool = False) -> Tensor:
@@ -160,85 +177,113 @@ def copy_to_ranks(x: Tensor, group=None) -> Tensor:
     return _CopyToRanks.apply(x, group)
 
 
-def unfuse(layer: MultiHeadAttention) -> SelfAttention:
-    """A copy of ``layer``, ``in_proj_weight`` (3D, D) cut into 3 Linear."""
-    _check_unfusable(layer)
-    D, bias = layer.embed_dim, layer.in_proj_bias is not None
-    factory = {
-        "device": layer.in_proj_weight.device,
-        "dtype": layer.in_proj_weight.dtype,
-    }
-    q, k, v = (nn.Linear(D, D, bias=bias, **factory) for _ in range(3))
-    with torch.no_grad():
-        for proj, weight in zip((q, k, v), layer.in_proj_weight.split(D)):
-            proj.weight.copy_(weight)  # (D, D): W_Q, W_K, W_V in turn
-        if bias:
-            for proj, b in zip((q, k, v), layer.in_proj_bias.split(D)):
-                proj.bias.copy_(b)  # (D,)
+def unfuse(layer: MultiHeadAttention | GroupedQueryAttention) -> SelfAttention:
+    """A copy of ``layer`` as a :class:`SelfAttention`.
+
+    A :class:`mha.MultiHeadAttention`'s ``in_proj_weight`` (3D, D) is cut
+    into ``q_proj``, ``k_proj``, ``v_proj``, (D, D) each, its ``out_proj``
+    becomes ``o_proj``. A :class:`mha.GroupedQueryAttention` has them already,
+    and keeps its rotary positions.
+    """
+    _check_layer(layer)
+    if isinstance(layer, GroupedQueryAttention):
+        projections = [
+            copy.deepcopy(getattr(layer, name))
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj")
+        ]
+        return SelfAttention(*projections, layer.head_dim, layer.rope_base)
+    D = layer.embed_dim
+    weights = layer.in_proj_weight.split(D)  # W_Q, W_K, W_V: (D, D) each
+    biases = (
+        (None,) * 3
+        if layer.in_proj_bias is None
+        else layer.in_proj_bias.split(D)  # (D,) each
+    )
+    q, k, v = (_linear(w, b) for w, b in zip(weights, biases))
     o = copy.deepcopy(layer.out_proj)
-    return SelfAttention(q, k, v, o, head_dim=layer.head_dim)
+    return SelfAttention(q, k, v, o, layer.head_dim)
 
 
-def head_slice(num_heads: int, head_dim: int, rank: int, world_size: int):
-    """The features of ``rank``'s heads when ``world_size`` share them."""
-    per_rank = _check_split(num_heads, rank, world_size) * head_dim
-    return slice(rank * per_rank, (rank + 1) * per_rank)
+def query_heads(num_heads: int, rank: int, world_size: int) -> range:
+    """The query heads of process ``rank``: H / N consecutive heads."""
+    per_rank = _check_split(num_heads, rank, world_size)
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+def kv_heads(
+    num_kv_heads: int, num_heads: int, rank: int, world_size: int
+) -> range:
+    """The key/value heads that process ``rank``'s query heads read."""
+    group = num_heads // num_kv_heads  # G query heads per key/value head
+    own = query_heads(num_heads, rank, world_size)
+    _check_kv_split(num_kv_heads, world_size)
+    return range(own.start // group, (own.stop - 1) // group + 1)
 
 
 def shard_heads(
-    layer: SelfAttention | MultiHeadAttention,
+    layer: SelfAttention | MultiHeadAttention | GroupedQueryAttention,
     rank: int,
     world_size: int,
     group=None,
 ) -> HeadShard:
     """Process ``rank``'s heads of ``layer``: copies of its weight slices."""
-    if isinstance(layer, MultiHeadAttention):
+    if not isinstance(layer, SelfAttention):
         layer = unfuse(layer)
-    own = head_slice(layer.num_heads, layer.head_dim, rank, world_size)
-    columns = [_rows(getattr(layer, name), own) for name in _PROJECTIONS]
-    rows = _columns(layer.o_proj, own)
-    return HeadShard(*columns, rows, head_dim=layer.head_dim, group=group)
+    H, H_kv, d_k = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    own_q = _features(query_heads(H, rank, world_size), d_k)
+    own_kv = _features(kv_heads(H_kv, H, rank, world_size), d_k)
+    return HeadShard(
+        _rows(layer.q_proj, own_q),  # column-parallel: output features
+        _rows(layer.k_proj, own_kv),
+        _rows(layer.v_proj, own_kv),
+        _columns(layer.o_proj, own_q),  # row-parallel: input features
+        head_dim=d_k,
+        rope_base=layer.rope_base,
+        kv_replicas=max(1, world_size // H_kv),
+        group=group,
+    )
 
 
 def parallelize_heads(layer: SelfAttention, mesh) -> SelfAttention:
-    """``layer``'s heads spread over ``mesh`` by DTensor (in place)."""
+    """``layer``'s heads spread over ``mesh`` by DTensor, in place."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.experimental import local_map
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
 
-    _check_split(layer.num_heads, 0, mesh.size())
+    _check_dtensor_split(layer, mesh.size())
     plan = {
-        name: ColwiseParallel(use_local_output=False) for name in _PROJECTIONS
-    }  # q, k, v stay DTensors, sharded by heads: Shard(1) of (B, H, T, d_k)
-    plan["o_proj"] = RowwiseParallel()  # input Shard(-1), output summed
+        name: ColwiseParallel(use_local_output=False)  # q, k, v: DTensors
+        for name in ("q_proj", "k_proj", "v_proj")
+    }
+    plan["o_proj"] = RowwiseParallel()  # its input sharded: one all-reduce
+    heads = [Shard(1)]  # (B, H, T, d_k), split along H
+    layer.attend = local_map(  # each process attends with its own heads
+        layer.attend,
+        out_placements=heads,
+        in_placements=(heads, heads, heads, None),
+        device_mesh=mesh,
+    )
     return parallelize_module(layer, mesh, plan)
 
 
-def _causal_mask_like(q: Tensor) -> Tensor:
-    """The (T, T) causal mask for q; for a DTensor q, a replicated DTensor."""
-    mask = causal_mask(q.shape[-2], device=q.device)  # True = may attend
-    mesh = getattr(q, "device_mesh", None)
-    if mesh is None:
-        return mask
-    from torch.distributed.tensor import DTensor, Replicate
-
-    return DTensor.from_local(mask, mesh, [Replicate()] * mesh.ndim)
+def _features(heads: range, head_dim: int) -> slice:
+    """The features (rows of a projection) of a run of heads."""
+    return slice(heads.start * head_dim, heads.stop * head_dim)
 
 
 def _rows(linear: nn.Linear, rows: slice) -> nn.Linear:
     """A copy of ``linear`` that computes only the output features ``rows``."""
-    return _linear(linear.weight[rows], _cut(linear.bias, rows))
+    bias = None if linear.bias is None else linear.bias[rows]
+    return _linear(linear.weight[rows], bias)
 
 
 def _columns(linear: nn.Linear, columns: slice) -> nn.Linear:
     """A copy of ``linear`` that reads only the input features ``columns``."""
     return _linear(linear.weight[:, columns], linear.bias)
-
-
-def _cut(bias: Tensor | None, rows: slice) -> Tensor | None:
-    return None if bias is None else bias[rows]
 
 
 def _linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
@@ -258,8 +303,31 @@ def _linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
     return linear
 
 
+def _check_widths(layer: SelfAttention) -> tuple[int, int]:
+    """(H, H_kv) from the projections' widths, checked."""
+    d_k = layer.head_dim
+    H = check_divisible(
+        "q_proj.out_features", layer.q_proj.out_features, "head_dim", d_k
+    )
+    H_kv = check_divisible(
+        "k_proj.out_features", layer.k_proj.out_features, "head_dim", d_k
+    )
+    if layer.v_proj.out_features != layer.k_proj.out_features:
+        raise ValueError(
+            "v_proj.out_features must equal k_proj.out_features "
+            f"({layer.k_proj.out_features}), got {layer.v_proj.out_features}"
+        )
+    if layer.o_proj.in_features != layer.q_proj.out_features:
+        raise ValueError(
+            "o_proj.in_features must equal q_proj.out_features "
+            f"({layer.q_proj.out_features}), got {layer.o_proj.in_features}"
+        )
+    check_divisible("num_heads", H, "num_kv_heads", H_kv)
+    return H, H_kv
+
+
 def _check_split(num_heads: int, rank: int, world_size: int) -> int:
-    """Heads per process, after checking that the processes can share them."""
+    """Query heads per process, after checking the processes can share them."""
     check_int("world_size", world_size)
     check_int("rank", rank, minimum=0)
     if rank >= world_size:
@@ -269,13 +337,34 @@ def _check_split(num_heads: int, rank: int, world_size: int) -> int:
     return check_divisible("num_heads", num_heads, "world_size", world_size)
 
 
-def _check_unfusable(layer: MultiHeadAttention) -> None:
-    if not isinstance(layer, MultiHeadAttention):
-        raise TypeError(
-            "layer must be an mha.MultiHeadAttention, got "
-            f"{type(layer).__name__}"
+def _check_kv_split(num_kv_heads: int, world_size: int) -> None:
+    """H_kv split over N processes, or each head replicated on N / H_kv."""
+    if num_kv_heads % world_size and world_size % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads ({num_kv_heads}) must be divisible by world_size "
+            f"({world_size}), or divide it (then each key/value head is "
+            "replicated)"
         )
-    if layer.in_proj_weight is None:
+
+
+def _check_dtensor_split(layer: SelfAttention, world_size: int) -> None:
+    _check_split(layer.num_heads, 0, world_size)
+    if layer.num_kv_heads % world_size:
+        raise ValueError(
+            f"num_kv_heads ({layer.num_kv_heads}) must be divisible by the "
+            f"mesh size ({world_size}) for DTensor's ColwiseParallel, which "
+            "would cut a key/value head in pieces; shard_heads replicates "
+            "key/value heads instead"
+        )
+
+
+def _check_layer(layer: object) -> None:
+    if not isinstance(layer, MultiHeadAttention | GroupedQueryAttention):
+        raise TypeError(
+            "layer must be an mha.MultiHeadAttention or "
+            f"mha.GroupedQueryAttention, got {type(layer).__name__}"
+        )
+    if isinstance(layer, MultiHeadAttention) and layer.in_proj_weight is None:
         raise ValueError(
             "layer must be a self-attention layer (kdim = vdim = embed_dim = "
             f"{layer.embed_dim}), got kdim={layer.kdim}, vdim={layer.vdim}"
