@@ -24,7 +24,7 @@ from pathlib import Path
 import mha.parallel.launch
 import pytest
 import torch
-from mha import MultiHeadAttention
+from mha import MultiHeadAttention, counting
 from mha.decoding import GroupedQueryAttention
 from mha.parallel import (
     CollectiveCounter,
@@ -264,6 +264,51 @@ def test_collective_counter_sees_no_collective_in_plain_code():
     with CollectiveCounter() as counter:
         torch.randn(4, 4) @ torch.randn(4, 4)
     assert counter.calls == [] and counter.count("all_reduce") == 0
+
+
+# ---------------------------------------------------------------------------
+# The formulas of mha.counting, against the real shards and by hand
+
+
+def test_parameters_per_process_formula_counts_the_real_shard():
+    for D, H, N in ((16, 4, 2), (32, 8, 4), (512, 8, 2)):
+        shard = shard_heads(MultiHeadAttention(D, H), 0, N)
+        real = sum(p.numel() for p in shard.parameters())
+        assert counting.tensor_parallel_parameters(D, H, N) == real
+    # by hand: 4 D^2 / N + 3 D / N + D at D = 512, N = 2
+    assert counting.tensor_parallel_parameters(512, 8, 2) == 524288 + 768 + 512
+    assert counting.tensor_parallel_parameters(512, 8, 2, bias=False) == 524288
+    # MQA over 2 processes: W_Q, W_O halves (128 + 128), W_K, W_V one head each (64 + 64)
+    gqa_shard = shard_heads(gqa_layer(H_kv=1), 0, 2)
+    assert counting.tensor_parallel_parameters(16, 4, 2, num_kv_heads=1) == 128 * 2 + 64 * 2 + 32
+    assert sum(p.numel() for p in gqa_shard.parameters()) == 416
+
+
+def test_saved_elements_formula_matches_what_autograd_keeps():
+    B, T, D, H = 2, 16, 32, 4
+    layer = MultiHeadAttention(D, H)
+    x = torch.randn(B, T, D)
+    for N in (1, 2, 4):
+        shard = shard_heads(layer, 0, N)
+        measured = saved_tensor_bytes(
+            lambda: shard.partial_output(x.clone().requires_grad_()), exclude=shard.parameters()
+        )
+        # x (B, T, D) whole; q, k, v and merged heads (B, T, D/N); weights (B, H/N, T, T)
+        by_hand = B * T * D + 4 * B * T * D // N + B * (H // N) * T * T
+        assert counting.tensor_parallel_saved_elements(B, T, D, H, N) == by_hand
+        assert measured == 4 * by_hand
+
+
+def test_all_reduce_formulas():
+    assert counting.all_reduce_bytes(4, 256, 512) == 4 * 256 * 512 * 4 == 2**21
+    assert counting.all_reduce_bytes(1, 2048, 12288, 2) == 50331648
+    # 2 processes: each sends and receives the buffer once; 8: 2 * 7/8 of it
+    assert counting.ring_all_reduce_seconds(10**9, 2, 1e9) == pytest.approx(1.0)
+    assert counting.ring_all_reduce_seconds(10**9, 8, 1e9) == pytest.approx(1.75)
+    with pytest.raises(ValueError, match="bus_bytes_per_s must be positive"):
+        counting.ring_all_reduce_seconds(1, 2, 0.0)
+    h100 = next(g for g in counting.PUBLISHED_GPUS if g.name == "H100 SXM")
+    assert h100.nvlink_bytes_per_s == 450e9 and h100.pcie_bytes_per_s == 64e9
 
 
 # ---------------------------------------------------------------------------
