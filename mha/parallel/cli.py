@@ -94,16 +94,18 @@ def run_benchmark(
         timeout=timeout,
         seed=0,
     )
+    from ..bench.environment import environment
+
+    env = environment(device, dtype)  # load average at the start
     runs = []
     for procs, threads in ((1, 1), (1, nproc), (nproc, 1)):
         ranks, _ = launch(
             procs, {**config, "threads": threads}, timeout=timeout
         )
-        runs.append(_bench_summary(procs, threads, ranks))
-    from ..bench.environment import environment
-
+        runs.append(_bench_summary(config, procs, threads, ranks))
+    env["load_average_1min_end"] = os.getloadavg()[0]
     return {
-        "environment": environment(device, dtype),
+        "environment": env,
         "config": {k: config[k] for k in _SHAPE_KEYS + ("repeats", "warmup")},
         "bytes_formula": _formula_bytes(config),
         "runs": runs,
@@ -222,20 +224,33 @@ def _over_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _bench_summary(procs, threads, ranks) -> dict[str, Any]:
+def _bench_summary(config, procs, threads, ranks) -> dict[str, Any]:
+    """Medians (the slowest rank's); memory measured and by formula."""
+    from .. import counting
+
     def median(key):
         per_rank = [statistics.median(r[key]) for r in ranks if key in r]
         return max(per_rank) if per_rank else None
 
+    itemsize = ITEMSIZE[config["dtype"]]
+    B, T = config["batch"], config["seq_len"]
+    D, H = config["embed_dim"], config["num_heads"]
     return {
         "processes": procs,
         "threads_per_process": threads,
         "forward_median_s": median("forward_s"),
         "all_reduce_median_s": median("all_reduce_s"),
         "whole_layer_forward_median_s": median("whole_layer_forward_s"),
-        "weight_bytes_per_process": [r["weight_bytes"] for r in ranks],
-        "activation_bytes_per_process": [r["activation_bytes"] for r in ranks],
-        "forward_s_per_rank": [r["forward_s"] for r in ranks],
+        "all_reduce_calls": [r["all_reduce_calls"] for r in ranks],
+        "bytes_all_reduced": [r["bytes_all_reduced"] for r in ranks],
+        "weight_bytes": [r["weight_bytes"] for r in ranks],
+        "weight_bytes_formula": itemsize
+        * counting.tensor_parallel_parameters(D, H, procs),
+        "activation_bytes": [r["activation_bytes"] for r in ranks],
+        "activation_bytes_formula": itemsize
+        * counting.tensor_parallel_saved_elements(B, T, D, H, procs),
+        "forward_s": [r["forward_s"] for r in ranks],
+        "all_reduce_s": [r["all_reduce_s"] for r in ranks],
     }
 
 
@@ -328,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.repeats is not None:
             options["repeats"] = args.repeats
         results = run_benchmark(args.nproc, **options)
+        command = " ".join(sys.argv[1:] if argv is None else argv)
+        results["command"] = f"python -m mha.parallel {command}"
         _write(results, args.output)
         return 0
     except (ValueError, TypeError) as error:
@@ -347,11 +364,8 @@ def main(argv: list[str] | None = None) -> int:
 def _write(results: dict[str, Any], output: Path | None) -> None:
     """Print the runs; write the JSON whole (a temporary file, renamed)."""
     for run in results["runs"]:
-        print(
-            json.dumps(
-                {k: v for k, v in run.items() if k != "forward_s_per_rank"}
-            )
-        )
+        times = ("forward_s", "all_reduce_s")
+        print(json.dumps({k: v for k, v in run.items() if k not in times}))
     if output is None:
         return
     tmp = output.with_name(output.name + ".tmp")

@@ -116,12 +116,20 @@ def bench_rank(rank, world, device, config) -> dict[str, Any]:
     """Time per forward (with communication), all-reduce alone, memory."""
     layer, x, _ = make_problem(config, device)
     shard = shard_heads(layer, rank, world).eval()
+    with torch.no_grad(), CollectiveCounter() as counted:
+        shard(x)
     buffer = torch.empty_like(x)  # (B, T, D): what the forward all-reduces
-    result = {
-        "forward_s": _times(lambda: shard(x), device, config),
-        "all_reduce_s": _times(
-            lambda: dist.all_reduce(buffer), device, config
-        ),
+    calls = {
+        "forward_s": lambda: shard(x),
+        "all_reduce_s": lambda: dist.all_reduce(buffer),
+    }
+    if world == 1:  # the whole layer, without any collective
+        whole = unfuse(layer).eval()
+        calls["whole_layer_forward_s"] = lambda: whole(x)
+    return {
+        "all_reduce_calls": counted.count("all_reduce"),
+        "bytes_all_reduced": counted.bytes("all_reduce"),
+        **_times(calls, device, config),
         "weight_bytes": sum(
             p.numel() * p.element_size() for p in shard.parameters()
         ),
@@ -130,12 +138,6 @@ def bench_rank(rank, world, device, config) -> dict[str, Any]:
             exclude=shard.parameters(),
         ),
     }
-    if world == 1:  # the whole layer, without any collective
-        whole = unfuse(layer).eval()
-        result["whole_layer_forward_s"] = _times(
-            lambda: whole(x), device, config
-        )
-    return result
 
 
 def _run(module, x: Tensor, grad_out: Tensor, causal: bool):
@@ -231,18 +233,22 @@ def _diff(a: Tensor, b: Tensor) -> float:
     return float((a - b).abs().max())
 
 
-def _times(call, device, config) -> list[float]:
-    """Seconds per call, after warm-up; the ranks start each call together."""
-    times = []
+def _times(calls, device, config) -> dict[str, list[float]]:
+    """Seconds per call of each of ``calls``, interleaved, after warm-up.
+
+    The processes start each call together (a barrier first).
+    """
+    times = {name: [] for name in calls}
     with torch.no_grad():
         for i in range(config["warmup"] + config["repeats"]):
-            dist.barrier()
-            _sync(device)
-            start = time.perf_counter()
-            call()
-            _sync(device)
-            if i >= config["warmup"]:
-                times.append(time.perf_counter() - start)
+            for name, call in calls.items():
+                dist.barrier()
+                _sync(device)
+                start = time.perf_counter()
+                call()
+                _sync(device)
+                if i >= config["warmup"]:
+                    times[name].append(time.perf_counter() - start)
     return times
 
 
