@@ -20,7 +20,7 @@ from torch import Tensor
 from ..decoding import GroupedQueryAttention
 from ..module import MultiHeadAttention
 from .collectives import CollectiveCounter, saved_tensor_bytes
-from .launch import die_with_parent
+from .launch import STORE, die_with_parent
 from .layers import parallelize_heads, shard_heads, unfuse
 
 __all__ = ["worker_main", "check_rank", "bench_rank", "make_problem"]
@@ -34,8 +34,10 @@ def worker_main(config: dict[str, Any]) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(int(config.get("threads", 1)))
     device = _device(config["device"], rank)
+    store = os.environ.get(STORE)  # unset under torchrun: env:// instead
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
+        store=None if store is None else dist.FileStore(store, world),
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=config["timeout"]),

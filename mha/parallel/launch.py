@@ -1,9 +1,12 @@
 """Start N local processes, wait for them, stop them all on the first failure.
 
 Each process runs ``python -m mha.parallel --worker CONFIG`` with the
-environment variables that ``torchrun`` sets (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), on the loopback address
-and a free port, and prints one JSON line with its results. The launcher
+environment variables that ``torchrun`` sets for its rank (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``) and prints one JSON line with its results.
+The processes find each other through a file in a fresh temporary folder
+(``torch.distributed.FileStore``, named in ``MHA_PARALLEL_STORE``), not a
+TCP port, and gloo talks over the loopback interface only (and NCCL's
+bootstrap, on GPUs): nothing listens beyond this machine. The launcher
 never waits longer than its timeout: a rank that fails ends the run at once
 (the others are killed) with that rank's error; a rank that hangs ends it at
 the timeout. Workers also die with the launcher (Linux ``PR_SET_PDEATHSIG``),
@@ -15,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,21 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LaunchError", "launch", "free_port", "die_with_parent"]
+__all__ = ["LaunchError", "launch", "die_with_parent", "STORE"]
 
-LOOPBACK = "127.0.0.1"
+#: The environment variable naming the rendezvous file of a launch.
+STORE = "MHA_PARALLEL_STORE"
 _PARENT = "MHA_PARALLEL_PARENT"
 
 
 class LaunchError(RuntimeError):
     """A rank failed or the run timed out; the message holds their errors."""
-
-
-def free_port() -> int:
-    """A TCP port on the loopback address that nothing listens on now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 def launch(
@@ -53,7 +49,6 @@ def launch(
     killing the others) or when the run takes longer than ``timeout``
     seconds (after killing every rank).
     """
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="mha-parallel-") as tmp:
         logs = [
             (Path(tmp) / f"rank{r}.out", Path(tmp) / f"rank{r}.err")
@@ -63,7 +58,7 @@ def launch(
         try:
             for rank, (out, err) in enumerate(logs):
                 procs.append(
-                    _start(rank, nproc, port, config, threads, out, err)
+                    _start(rank, nproc, Path(tmp), config, threads, out, err)
                 )
             _wait(procs, logs, timeout)
         except LaunchError as error:
@@ -89,20 +84,19 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def _start(rank, nproc, port, config, threads, out, err) -> subprocess.Popen:
+def _start(rank, nproc, tmp, config, threads, out, err) -> subprocess.Popen:
     env = dict(
         os.environ,
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(nproc),
-        MASTER_ADDR=LOOPBACK,
-        MASTER_PORT=str(port),
+        **{STORE: str(tmp / "store")},
         OMP_NUM_THREADS=str(threads),
         MKL_NUM_THREADS=str(threads),
         **{_PARENT: str(os.getpid())},
     )
     if Path("/sys/class/net/lo").exists():
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo on loopback only
+        env.update(GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo")
     command = [sys.executable, "-m", "mha.parallel", "--worker"]
     with open(out, "wb") as stdout, open(err, "wb") as stderr:
         return subprocess.Popen(
