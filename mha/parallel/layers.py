@@ -86,7 +86,9 @@ class SelfAttention(nn.Module):
         self.rope_base = rope_base
         self.num_heads, self.num_kv_heads = _check_widths(self)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool):
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool
+    ) -> Tensor:
         """q (B, H, T, d_k), k and v (B, H_kv, T, d_k) -> (B, H, T, d_k)."""
         T = q.shape[2]
         if self.rope_base is not None:  # turn q and k by their positions
