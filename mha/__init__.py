@@ -17,6 +17,7 @@ read it and the tests that pin it are listed with it (README.md has the table):
 * :mod:`mha.decoding` - GQA, key/value caches, generation (12; test_decoding)
 * :mod:`mha.flash` - tiled online-softmax attention (13; test_flash)
 * :mod:`mha.kernels` - Triton attention kernels (13; test_kernels)
+* :mod:`mha.parallel` - heads across processes (14; test_parallel)
 
 The order inside a topic: the NumPy reference first, then the torch or fast
 version, tests that pin one to the other, a benchmark entry, the chapter.
@@ -52,6 +53,11 @@ _LAZY = {
     "flash_attention_torch": "mha.flash",
     "FlashAttention": "mha.flash",
     "tile_schedule": "mha.flash",
+    "HeadShard": "mha.parallel",
+    "shard_heads": "mha.parallel",
+    "parallelize_heads": "mha.parallel",
+    "copy_to_ranks": "mha.parallel",
+    "sum_over_ranks": "mha.parallel",
 }
 
 __all__ = [*reference.__all__, *_LAZY]

@@ -52,6 +52,12 @@ __all__ = [
     "DECODER_KV_CONFIGS",
     "LatentAttentionFigures",
     "DEEPSEEK_V2_MLA",
+    "tensor_parallel_parameters",
+    "tensor_parallel_saved_elements",
+    "all_reduce_bytes",
+    "ring_all_reduce_seconds",
+    "PublishedGPU",
+    "PUBLISHED_GPUS",
 ]
 
 
@@ -775,3 +781,130 @@ class LatentAttentionFigures:
 
 #: DeepSeek-V2's multi-head latent attention, from its paper.
 DEEPSEEK_V2_MLA = LatentAttentionFigures()
+# One layer split by heads over N processes (chapter 14, mha.parallel)
+
+
+def tensor_parallel_parameters(
+    d_model: int,
+    num_heads: int,
+    world_size: int,
+    *,
+    num_kv_heads: int | None = None,
+    bias: bool = True,
+) -> int:
+    """Parameters one of N processes holds when a layer is split by heads.
+
+    Its H/N query heads' rows of W_Q and columns of W_O (``D * D / N`` each),
+    the rows of W_K and W_V of the key/value heads they read (``H_kv / N``
+    heads, or one head when ``H_kv < N``: replicated), their biases, and all
+    of ``b_O`` (added once, after the sum). Multi-head attention, with
+    biases: ``4 D^2 / N + 3 D / N + D``.
+    """
+    d_k = _head_size(d_model, num_heads)
+    check_int("world_size", world_size)
+    check_divisible("num_heads", num_heads, "world_size", world_size)
+    kv = (
+        num_heads
+        if num_kv_heads is None
+        else check_int("num_kv_heads", num_kv_heads)
+    )
+    if kv % world_size and world_size % kv:
+        raise ValueError(
+            f"num_kv_heads ({kv}) must be divisible by world_size "
+            f"({world_size}), or divide it"
+        )
+    q_width = d_model // world_size  # H/N heads of d_k features
+    kv_width = max(1, kv // world_size) * d_k
+    weights = 2 * d_model * q_width + 2 * d_model * kv_width
+    return weights + (q_width + 2 * kv_width + d_model if bias else 0)
+
+
+def tensor_parallel_saved_elements(
+    batch: int, seq_len: int, d_model: int, num_heads: int, world_size: int
+) -> int:
+    """Numbers one process keeps for the backward of the split layer.
+
+    For :class:`mha.parallel.HeadShard` (explicit attention, no mask): the
+    input ``x`` (B, T, D), which every process holds whole; its heads'
+    queries, keys, values and merged outputs, (B, T, D/N) each; its heads'
+    attention weights, (B, H/N, T, T). ``B T D + 4 B T D / N + B H T^2 / N``.
+    """
+    check_int("batch", batch)
+    check_int("seq_len", seq_len)
+    _head_size(d_model, num_heads)
+    check_int("world_size", world_size)
+    heads = check_divisible("num_heads", num_heads, "world_size", world_size)
+    activations = batch * seq_len * d_model
+    return (
+        activations
+        + 4 * activations // world_size
+        + batch * heads * seq_len * seq_len
+    )
+
+
+def all_reduce_bytes(
+    batch: int, seq_len: int, d_model: int, bytes_per_element: int = 4
+) -> int:
+    """Bytes each process sends into the forward's all-reduce: ``B T D``."""
+    for name, value in (
+        ("batch", batch),
+        ("seq_len", seq_len),
+        ("d_model", d_model),
+        ("bytes_per_element", bytes_per_element),
+    ):
+        check_int(name, value)
+    return batch * seq_len * d_model * bytes_per_element
+
+
+def ring_all_reduce_seconds(
+    nbytes: int, world_size: int, bus_bytes_per_s: float
+) -> float:
+    """A prediction: the bandwidth term of an all-reduce of ``nbytes``.
+
+    ``2 (N - 1) / N * nbytes / bus_bytes_per_s``: each process sends and
+    receives ``2 (N - 1) / N`` times the buffer (NCCL tests' "bus bandwidth"
+    convention, nvidia2018nccltests; patarasuk2009bandwidth). Latency, and
+    every other real-world cost, is left out: a lower bound.
+    """
+    check_int("nbytes", nbytes)
+    check_int("world_size", world_size)
+    if not bus_bytes_per_s > 0:
+        raise ValueError(
+            f"bus_bytes_per_s must be positive, got {bus_bytes_per_s}"
+        )
+    return 2 * (world_size - 1) / world_size * nbytes / bus_bytes_per_s
+
+
+@dataclass(frozen=True)
+class PublishedGPU:
+    """A GPU's link bandwidths and dense bfloat16 peak, from its datasheet.
+
+    The datasheets quote link bandwidths as the total of both directions;
+    one direction gets half (``*_bytes_per_s`` below), the figure that the
+    all-reduce formula of :func:`ring_all_reduce_seconds` needs.
+    """
+
+    name: str
+    nvlink_gb_per_s: float  # quoted, both directions together
+    pcie_gb_per_s: float  # quoted, both directions together (x16 link)
+    bf16_dense_tflops: float  # dense: half the datasheet's "with sparsity"
+    citation: str
+
+    @property
+    def nvlink_bytes_per_s(self) -> float:
+        """NVLink, one direction, bytes per second."""
+        return self.nvlink_gb_per_s / 2 * 1e9
+
+    @property
+    def pcie_bytes_per_s(self) -> float:
+        """PCIe, one direction, bytes per second."""
+        return self.pcie_gb_per_s / 2 * 1e9
+
+
+#: Datasheet figures (SXM modules). A100: NVLink 600 GB/s, PCIe Gen4 64 GB/s,
+#: BF16 312 TFLOPS (624 with sparsity). H100 SXM: NVLink 900 GB/s, PCIe Gen5
+#: 128 GB/s, BF16 1,979 TFLOPS with sparsity, so 989.5 dense.
+PUBLISHED_GPUS: tuple[PublishedGPU, ...] = (
+    PublishedGPU("A100 SXM", 600.0, 64.0, 312.0, "nvidia2021a100"),
+    PublishedGPU("H100 SXM", 900.0, 128.0, 1979.0 / 2, "nvidia2023h100"),
+)
