@@ -54,7 +54,7 @@ def randomised(layer: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 
 def mha_layer(D=16, H=4) -> MultiHeadAttention:
-    return randomised(MultiHeadAttention(D, H))
+    return randomised(MultiHeadAttention(D, H, batch_first=True))
 
 
 def gqa_layer(D=16, H=4, H_kv=2) -> GroupedQueryAttention:
@@ -272,7 +272,7 @@ def test_collective_counter_sees_no_collective_in_plain_code():
 
 def test_parameters_per_process_formula_counts_the_real_shard():
     for D, H, N in ((16, 4, 2), (32, 8, 4), (512, 8, 2)):
-        shard = shard_heads(MultiHeadAttention(D, H), 0, N)
+        shard = shard_heads(MultiHeadAttention(D, H, batch_first=True), 0, N)
         real = sum(p.numel() for p in shard.parameters())
         assert counting.tensor_parallel_parameters(D, H, N) == real
     # by hand: 4 D^2 / N + 3 D / N + D at D = 512, N = 2
@@ -286,7 +286,7 @@ def test_parameters_per_process_formula_counts_the_real_shard():
 
 def test_saved_elements_formula_matches_what_autograd_keeps():
     B, T, D, H = 2, 16, 32, 4
-    layer = MultiHeadAttention(D, H)
+    layer = MultiHeadAttention(D, H, batch_first=True)
     x = torch.randn(B, T, D)
     for N in (1, 2, 4):
         shard = shard_heads(layer, 0, N)

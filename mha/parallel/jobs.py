@@ -69,7 +69,7 @@ def make_problem(config: dict[str, Any], device: torch.device):
         config["num_kv_heads"],
     )
     if H_kv is None:
-        layer = MultiHeadAttention(D, H, dtype=dtype)
+        layer = MultiHeadAttention(D, H, batch_first=True, dtype=dtype)
     else:
         layer = GroupedQueryAttention(D, H, H_kv, bias=True, dtype=dtype)
     with torch.no_grad():
