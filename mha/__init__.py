@@ -1,22 +1,23 @@
 """mha: multi-head attention from one head to the GPU.
 
 The package behind the book. Each module has one purpose; the chapters that
-read it and the tests that pin it are listed with it (README.md has the table).
+read it and the tests that pin it are listed with it (README.md has the table):
 
-=========================  =====================  ========  ===================
-module                     what it holds          chapters  tests
-=========================  =====================  ========  ===================
-:mod:`mha.reference`       the math, in NumPy     01-07     test_reference
-:mod:`mha._validate`       the one error policy   all       (every error test)
-:mod:`mha.functional`      torch building blocks  08, 09    test_functional
-:mod:`mha.worked_example`  2-head worked example  04        test_worked_example
-:mod:`mha.fitting`         heads fit to patterns  02        test_fitting
-:mod:`mha.counting`        counts and configs     06, 09    test_counting
-:mod:`mha.module`          MultiHeadAttention     08-10     test_module_*
-:mod:`mha.plotting`        maps, grids, timings   all       (drawn in chapters)
-:mod:`mha.bench`           the benchmark          09        test_bench
-:mod:`mha.tiny`            tiny induction model   10        test_tiny
-=========================  =====================  ========  ===================
+* :mod:`mha.reference` - the math, in NumPy (chapters 01-07; test_reference)
+* :mod:`mha._validate` - the one error policy (all; every error test)
+* :mod:`mha.functional` - torch building blocks (08, 09; test_functional)
+* :mod:`mha.worked_example` - the 2-head worked example (04)
+* :mod:`mha.fitting` - heads fitted to patterns (02; test_fitting)
+* :mod:`mha.counting` - every count, real configurations (06, 09, 12, 13)
+* :mod:`mha.module` - MultiHeadAttention, torch's layer (08-10; test_module_*)
+* :mod:`mha.plotting` - maps, grids, benchmark plots (all)
+* :mod:`mha.bench` - ``python -m mha.bench`` (09, 12, 13; test_bench)
+* :mod:`mha.tiny` - the tiny induction model (10; test_tiny)
+* :mod:`mha.positions` - sinusoidal, learned, rotary (11, 12; test_positions)
+* :mod:`mha.decoding` - GQA, key/value caches, generation (12; test_decoding)
+* :mod:`mha.flash` - tiled online-softmax attention (13; test_flash)
+* :mod:`mha.kernels` - Triton attention kernels (13; test_kernels)
+* :mod:`mha.parallel` - heads across processes (14; test_parallel)
 
 The order inside a topic: the NumPy reference first, then the torch or fast
 version, tests that pin one to the other, a benchmark entry, the chapter.
@@ -31,37 +32,35 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from .reference import (
-    causal_mask,
-    merge_heads,
-    multi_head_attention,
-    multi_head_attention_loop,
-    multi_head_cross_attention,
-    padding_mask,
-    scaled_dot_product_attention,
-    softmax,
-    split_heads,
-)
+from . import reference
+from .reference import *  # noqa: F403  the NumPy reference: mha.softmax, ...
 
 __version__ = "0.1.0"
 
 # Names that live in modules importing torch, loaded on first access.
 _LAZY = {
     "MultiHeadAttention": "mha.module",
+    "sinusoidal_positions": "mha.positions",
+    "LearnedPositions": "mha.positions",
+    "apply_rope": "mha.positions",
+    "GroupedQueryAttention": "mha.decoding",
+    "KVCache": "mha.decoding",
+    "ConcatKVCache": "mha.decoding",
+    "grouped_from_multi_head": "mha.decoding",
+    "generate": "mha.decoding",
+    "flash_attention": "mha.flash",
+    "flash_attention_backward": "mha.flash",
+    "flash_attention_torch": "mha.flash",
+    "FlashAttention": "mha.flash",
+    "tile_schedule": "mha.flash",
+    "HeadShard": "mha.parallel",
+    "shard_heads": "mha.parallel",
+    "parallelize_heads": "mha.parallel",
+    "copy_to_ranks": "mha.parallel",
+    "sum_over_ranks": "mha.parallel",
 }
 
-__all__ = [
-    "softmax",
-    "scaled_dot_product_attention",
-    "split_heads",
-    "merge_heads",
-    "multi_head_attention_loop",
-    "multi_head_attention",
-    "multi_head_cross_attention",
-    "causal_mask",
-    "padding_mask",
-    *_LAZY,
-]
+__all__ = [*reference.__all__, *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -22,6 +22,7 @@ entry; ``citation`` holds the key in the book's ``references.bib``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ._validate import check_divisible, check_int
 
@@ -39,6 +40,24 @@ __all__ = [
     "MODEL_CONFIGS",
     "HeadAblationRow",
     "VASWANI2017_HEAD_ABLATION",
+    "attention_core_bytes",
+    "attention_core_exponentials",
+    "Accelerator",
+    "H100_SXM",
+    "H100_SXM_EXP_PER_S",
+    "Roofline",
+    "roofline",
+    "attention_core_roofline",
+    "DecoderKVConfig",
+    "DECODER_KV_CONFIGS",
+    "LatentAttentionFigures",
+    "DEEPSEEK_V2_MLA",
+    "tensor_parallel_parameters",
+    "tensor_parallel_saved_elements",
+    "all_reduce_bytes",
+    "ring_all_reduce_seconds",
+    "PublishedGPU",
+    "PUBLISHED_GPUS",
 ]
 
 
@@ -446,4 +465,446 @@ VASWANI2017_HEAD_ABLATION: tuple[HeadAblationRow, ...] = (
     HeadAblationRow("(A)", 16, 32, 32, 4.91, 25.8),
     HeadAblationRow("(A)", 32, 16, 16, 5.01, 25.4),
     HeadAblationRow("(B)", 8, 16, 64, 5.16, 25.1),
+)
+
+
+# ---------------------------------------------------------------------------
+# Bytes moved and the roofline of the attention core (chapter 13)
+
+
+def attention_core_bytes(
+    batch: int,
+    t_q: int,
+    num_heads: int,
+    head_dim: int,
+    *,
+    t_k: int | None = None,
+    bytes_per_element: int = 2,
+    materialise: bool = False,
+) -> int:
+    """Bytes the attention core must move between main memory and the chip.
+
+    A fused kernel reads q (T_q rows), k and v (T_k rows each) once and writes
+    the output (T_q rows): ``(2 T_q + 2 T_k) B H d_k`` elements. A
+    materialising core also writes the scores, reads them back for the
+    softmax, writes the weights and reads them for ``weights @ v``: ``4 B H
+    T_q T_k`` elements more (a causal mask does not shrink them: the
+    textbook stores the whole matrix). A lower bound: it counts no re-reads.
+    """
+    for name, value in (
+        ("batch", batch),
+        ("t_q", t_q),
+        ("num_heads", num_heads),
+        ("head_dim", head_dim),
+        ("bytes_per_element", bytes_per_element),
+    ):
+        check_int(name, value)
+    t_k = t_q if t_k is None else check_int("t_k", t_k)
+    elements = (2 * t_q + 2 * t_k) * batch * num_heads * head_dim
+    if materialise:
+        elements += 4 * batch * num_heads * t_q * t_k  # S, S, P, P
+    return elements * bytes_per_element
+
+
+def attention_core_exponentials(
+    batch: int,
+    t_q: int,
+    num_heads: int,
+    *,
+    t_k: int | None = None,
+    causal: bool = False,
+) -> int:
+    """``exp`` evaluations of the softmax: one per score, ``B H T_q T_k``.
+
+    Halved when causal, as :func:`attention_core_flops` is. Against the
+    ``4 B H T_q T_k d_k`` FLOPs of the two products, that is one ``exp`` per
+    ``4 d_k`` FLOPs.
+    """
+    for name, value in (
+        ("batch", batch),
+        ("t_q", t_q),
+        ("num_heads", num_heads),
+    ):
+        check_int(name, value)
+    t_k = t_q if t_k is None else check_int("t_k", t_k)
+    count = batch * num_heads * t_q * t_k
+    return count // 2 if causal else count
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """An accelerator's published peaks: the two ceilings of a roofline.
+
+    Attributes:
+        name: the product's name.
+        dtype: the number format of ``peak_flop_per_s``.
+        peak_flop_per_s: dense matrix-multiply peak, FLOP/s, in ``dtype``.
+        memory_bytes_per_s: main-memory (HBM) bandwidth, bytes/s.
+        citation: key in ``references.bib``. source: where the numbers are.
+    """
+
+    name: str
+    dtype: str
+    peak_flop_per_s: float
+    memory_bytes_per_s: float
+    citation: str
+    source: str
+
+    @property
+    def ridge_intensity(self) -> float:
+        """FLOPs per byte above which a kernel can be compute-bound."""
+        return self.peak_flop_per_s / self.memory_bytes_per_s
+
+
+#: NVIDIA H100 SXM: 1,979 teraFLOPS of bfloat16 tensor-core math *with
+#: sparsity* (the datasheet's footnote; dense is half) and 3.35 TB/s of HBM3.
+H100_SXM = Accelerator(
+    name="NVIDIA H100 SXM",
+    dtype="bfloat16",
+    peak_flop_per_s=1979e12 / 2,
+    memory_bytes_per_s=3.35e12,
+    citation="nvidia2023h100",
+    source=(
+        "datasheet, H100 SXM: BF16 Tensor Core 1,979 teraFLOPS with "
+        "sparsity (dense: half), GPU memory bandwidth 3.35 TB/s"
+    ),
+)
+
+#: exp (and other special functions) per second on the H100 SXM5, quoted in
+#: shah2024flashattention3, Section 3.1: "only 3.9 TFLOPS of special
+#: functions such as exponential", against 989 TFLOPS of FP16 matmul.
+H100_SXM_EXP_PER_S = 3.9e12
+
+
+class Roofline(NamedTuple):
+    """A roofline prediction: the time if the busier ceiling were reached."""
+
+    flop: int
+    bytes_moved: int
+    intensity: float  # FLOP per byte
+    seconds: float  # max(flop / peak, bytes / bandwidth)
+    flop_per_s: float  # flop / seconds: at most the peak
+    bound: str  # "compute" or "memory"
+
+
+def roofline(
+    flop: int, bytes_moved: int, accelerator: Accelerator = H100_SXM
+) -> Roofline:
+    """The roofline model (Williams et al., 2009): a prediction, not a measure.
+
+    A kernel needs at least ``flop / peak`` seconds of arithmetic and
+    ``bytes / bandwidth`` seconds of memory traffic; if the two overlap
+    perfectly, it takes the larger. Real kernels take longer.
+    """
+    check_int("flop", flop)
+    check_int("bytes_moved", bytes_moved)
+    compute = flop / accelerator.peak_flop_per_s
+    memory = bytes_moved / accelerator.memory_bytes_per_s
+    seconds = max(compute, memory)
+    return Roofline(
+        flop=flop,
+        bytes_moved=bytes_moved,
+        intensity=flop / bytes_moved,
+        seconds=seconds,
+        flop_per_s=flop / seconds,
+        bound="compute" if compute >= memory else "memory",
+    )
+
+
+def attention_core_roofline(
+    batch: int,
+    seq_len: int,
+    num_heads: int,
+    head_dim: int,
+    *,
+    causal: bool = False,
+    materialise: bool = False,
+    accelerator: Accelerator = H100_SXM,
+    bytes_per_element: int = 2,
+) -> Roofline:
+    """:func:`roofline` of self-attention's core, fused or materialising."""
+    flop = attention_core_flops(
+        batch, seq_len, num_heads * head_dim, num_heads, causal=causal
+    )
+    moved = attention_core_bytes(
+        batch,
+        seq_len,
+        num_heads,
+        head_dim,
+        bytes_per_element=bytes_per_element,
+        materialise=materialise,
+    )
+    return roofline(flop, moved, accelerator)
+
+
+# Key/value caches of decoders with grouped key/value heads (chapter 12)
+
+
+@dataclass(frozen=True)
+class DecoderKVConfig:
+    """What the key/value cache of a published decoder depends on, quoted.
+
+    Attributes:
+        name: the model's name.
+        d_model: D. num_heads: H (query heads). num_kv_heads: H_kv.
+        num_layers: L. head_dim: d_k (D / H for each model here).
+        bytes_per_element: 2, the 16-bit floats the weights are released in.
+        citation: keys in ``references.bib``. source: where the numbers are.
+        note: anything a reader should know about the row.
+    """
+
+    name: str
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    num_layers: int
+    head_dim: int
+    citation: str
+    source: str
+    note: str = ""
+    bytes_per_element: int = 2
+
+    def kv_cache_bytes_per_token(self) -> int:
+        """Bytes per token: 2 L H_kv d_k elements (keys, values, layers)."""
+        return kv_cache_bytes(
+            1,
+            1,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.bytes_per_element,
+        )
+
+    def mha_kv_cache_bytes_per_token(self) -> int:
+        """The same model with one key/value head per query head (H_kv = H)."""
+        return kv_cache_bytes(
+            1,
+            1,
+            self.num_layers,
+            self.num_heads,
+            self.head_dim,
+            self.bytes_per_element,
+        )
+
+
+#: Published decoder configurations, for their key/value caches.
+DECODER_KV_CONFIGS: tuple[DecoderKVConfig, ...] = (
+    DecoderKVConfig(
+        "Llama-2-7B",
+        4096,
+        32,
+        32,
+        32,
+        128,
+        "meta2023llama2config7b,touvron2023llama2",
+        "config.json of meta-llama/Llama-2-7b-hf; GQA only in the 34B and "
+        "70B models: Table 1 of touvron2023llama2",
+        "multi-head attention: H_kv = H",
+    ),
+    DecoderKVConfig(
+        "Llama-2-70B",
+        8192,
+        64,
+        8,
+        80,
+        128,
+        "meta2023llama2config70b,touvron2023llama2",
+        "config.json of meta-llama/Llama-2-70b-hf; GQA: Table 1 of "
+        "touvron2023llama2",
+    ),
+    DecoderKVConfig(
+        "Llama-3-8B",
+        4096,
+        32,
+        8,
+        32,
+        128,
+        "dubey2024llama3",
+        "Table 3 of dubey2024llama3 (8B: 32 layers, model dimension 4096, "
+        "32 attention heads, 8 key/value heads)",
+    ),
+    DecoderKVConfig(
+        "Mistral-7B",
+        4096,
+        32,
+        8,
+        32,
+        128,
+        "jiang2023mistral",
+        "Table 1 of jiang2023mistral (dim 4096, n_layers 32, head_dim 128, "
+        "n_heads 32, n_kv_heads 8)",
+        "sliding window of 4096 tokens: its rolling buffer cache keeps at "
+        "most 4096 positions (section 2 of jiang2023mistral)",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class LatentAttentionFigures:
+    """Multi-head latent attention (MLA) in DeepSeek-V2, as its paper has it.
+
+    Every field is quoted from deepseekai2024deepseekv2; nothing here was
+    measured or trained for this book.
+
+    Attributes:
+        num_layers, num_heads, head_dim: l, n_h, d_h (section 3.1.2).
+        kv_compression_dim: d_c, the width of the cached latent vector.
+        rope_head_dim: d_h^R, the width of the cached decoupled RoPE key.
+        equivalent_gqa_groups: Table 1: MLA's cache equals GQA's with this
+            many groups, (d_c + d_h^R) / (2 d_h) = 2.25.
+        kv_cache_reduction_vs_deepseek_67b: the abstract: "reduces the KV
+            cache by 93.3%" compared with DeepSeek 67B.
+    """
+
+    num_layers: int = 60
+    num_heads: int = 128
+    head_dim: int = 128
+    kv_compression_dim: int = 512
+    rope_head_dim: int = 64
+    equivalent_gqa_groups: float = 2.25
+    kv_cache_reduction_vs_deepseek_67b: float = 0.933
+    citation: str = "deepseekai2024deepseekv2"
+    source: str = (
+        "Table 1 (KV cache per token: MHA 2 n_h d_h l, GQA 2 n_g d_h l, "
+        "MQA 2 d_h l, MLA (d_c + d_h^R) l = 9/2 d_h l), section 3.1.2 "
+        "(dimensions), abstract (93.3%)"
+    )
+
+    def elements_per_token(self) -> int:
+        """Table 1's MLA row: ``(d_c + d_h^R) l`` cached elements per token."""
+        return (self.kv_compression_dim + self.rope_head_dim) * self.num_layers
+
+    def mha_elements_per_token(self) -> int:
+        """Table 1's MHA row for the same model: ``2 n_h d_h l``."""
+        return 2 * self.num_heads * self.head_dim * self.num_layers
+
+
+#: DeepSeek-V2's multi-head latent attention, from its paper.
+DEEPSEEK_V2_MLA = LatentAttentionFigures()
+# One layer split by heads over N processes (chapter 14, mha.parallel)
+
+
+def tensor_parallel_parameters(
+    d_model: int,
+    num_heads: int,
+    world_size: int,
+    *,
+    num_kv_heads: int | None = None,
+    bias: bool = True,
+) -> int:
+    """Parameters one of N processes holds when a layer is split by heads.
+
+    Its H/N query heads' rows of W_Q and columns of W_O (``D * D / N`` each),
+    the rows of W_K and W_V of the key/value heads they read (``H_kv / N``
+    heads, or one head when ``H_kv < N``: replicated), their biases, and all
+    of ``b_O`` (added once, after the sum). Multi-head attention, with
+    biases: ``4 D^2 / N + 3 D / N + D``.
+    """
+    d_k = _head_size(d_model, num_heads)
+    check_int("world_size", world_size)
+    check_divisible("num_heads", num_heads, "world_size", world_size)
+    kv = (
+        num_heads
+        if num_kv_heads is None
+        else check_int("num_kv_heads", num_kv_heads)
+    )
+    if kv % world_size and world_size % kv:
+        raise ValueError(
+            f"num_kv_heads ({kv}) must be divisible by world_size "
+            f"({world_size}), or divide it"
+        )
+    q_width = d_model // world_size  # H/N heads of d_k features
+    kv_width = max(1, kv // world_size) * d_k
+    weights = 2 * d_model * q_width + 2 * d_model * kv_width
+    return weights + (q_width + 2 * kv_width + d_model if bias else 0)
+
+
+def tensor_parallel_saved_elements(
+    batch: int, seq_len: int, d_model: int, num_heads: int, world_size: int
+) -> int:
+    """Numbers one process keeps for the backward of the split layer.
+
+    For :class:`mha.parallel.HeadShard` (explicit attention, no mask): the
+    input ``x`` (B, T, D), which every process holds whole; its heads'
+    queries, keys, values and merged outputs, (B, T, D/N) each; its heads'
+    attention weights, (B, H/N, T, T). ``B T D + 4 B T D / N + B H T^2 / N``.
+    """
+    check_int("batch", batch)
+    check_int("seq_len", seq_len)
+    _head_size(d_model, num_heads)
+    check_int("world_size", world_size)
+    heads = check_divisible("num_heads", num_heads, "world_size", world_size)
+    activations = batch * seq_len * d_model
+    return (
+        activations
+        + 4 * activations // world_size
+        + batch * heads * seq_len * seq_len
+    )
+
+
+def all_reduce_bytes(
+    batch: int, seq_len: int, d_model: int, bytes_per_element: int = 4
+) -> int:
+    """Bytes each process sends into the forward's all-reduce: ``B T D``."""
+    for name, value in (
+        ("batch", batch),
+        ("seq_len", seq_len),
+        ("d_model", d_model),
+        ("bytes_per_element", bytes_per_element),
+    ):
+        check_int(name, value)
+    return batch * seq_len * d_model * bytes_per_element
+
+
+def ring_all_reduce_seconds(
+    nbytes: int, world_size: int, bus_bytes_per_s: float
+) -> float:
+    """A prediction: the bandwidth term of an all-reduce of ``nbytes``.
+
+    ``2 (N - 1) / N * nbytes / bus_bytes_per_s``: each process sends and
+    receives ``2 (N - 1) / N`` times the buffer (NCCL tests' "bus bandwidth"
+    convention, nvidia2018nccltests; patarasuk2009bandwidth). Latency, and
+    every other real-world cost, is left out: a lower bound.
+    """
+    check_int("nbytes", nbytes)
+    check_int("world_size", world_size)
+    if not bus_bytes_per_s > 0:
+        raise ValueError(
+            f"bus_bytes_per_s must be positive, got {bus_bytes_per_s}"
+        )
+    return 2 * (world_size - 1) / world_size * nbytes / bus_bytes_per_s
+
+
+@dataclass(frozen=True)
+class PublishedGPU:
+    """A GPU's link bandwidths and dense bfloat16 peak, from its datasheet.
+
+    The datasheets quote link bandwidths as the total of both directions;
+    one direction gets half (``*_bytes_per_s`` below), the figure that the
+    all-reduce formula of :func:`ring_all_reduce_seconds` needs.
+    """
+
+    name: str
+    nvlink_gb_per_s: float  # quoted, both directions together
+    pcie_gb_per_s: float  # quoted, both directions together (x16 link)
+    bf16_dense_tflops: float  # dense: half the datasheet's "with sparsity"
+    citation: str
+
+    @property
+    def nvlink_bytes_per_s(self) -> float:
+        """NVLink, one direction, bytes per second."""
+        return self.nvlink_gb_per_s / 2 * 1e9
+
+    @property
+    def pcie_bytes_per_s(self) -> float:
+        """PCIe, one direction, bytes per second."""
+        return self.pcie_gb_per_s / 2 * 1e9
+
+
+#: Datasheet figures (SXM modules). A100: NVLink 600 GB/s, PCIe Gen4 64 GB/s,
+#: BF16 312 TFLOPS (624 with sparsity). H100 SXM: NVLink 900 GB/s, PCIe Gen5
+#: 128 GB/s, BF16 1,979 TFLOPS with sparsity, so 989.5 dense.
+PUBLISHED_GPUS: tuple[PublishedGPU, ...] = (
+    PublishedGPU("A100 SXM", 600.0, 64.0, 312.0, "nvidia2021a100"),
+    PublishedGPU("H100 SXM", 900.0, 128.0, 1979.0 / 2, "nvidia2023h100"),
 )

@@ -8,6 +8,9 @@
 * :func:`attention`: scaled dot-product attention that returns its weights.
 * :func:`reference_weights`: a torch layer's projections in the NumPy
   reference's layout.
+* :func:`grouped_query_state_dict`: a torch layer's projections under the
+  names of :class:`mha.GroupedQueryAttention` and ``transformers``'
+  ``LlamaAttention``.
 
 Mask convention for new code: a boolean mask is ``True`` where a query **may
 attend** (the reference's and ``F.scaled_dot_product_attention``'s convention);
@@ -33,8 +36,10 @@ __all__ = [
     "merge_heads",
     "causal_mask",
     "attention",
+    "input_projections",
     "ReferenceWeights",
     "reference_weights",
+    "grouped_query_state_dict",
 ]
 
 
@@ -113,6 +118,31 @@ def attention(
     return weights @ v, weights  # (..., T_q, d_v), (..., T_q, T_k)
 
 
+def input_projections(
+    layer: nn.Module,
+) -> tuple[
+    Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None
+]:
+    """W_Q, W_K, W_V and b_Q, b_K, b_V of a torch-style attention layer.
+
+    For ``torch.nn.MultiheadAttention`` and :class:`mha.MultiHeadAttention`:
+    weights in ``nn.Linear``'s (d_out, d_in) layout, cut from the stacked
+    ``in_proj_weight`` (3D, D) or taken from ``q/k/v_proj_weight``; biases cut
+    from ``in_proj_bias`` (3D,), or None. Views, not copies.
+    """
+    D = layer.embed_dim
+    if layer.in_proj_weight is not None:
+        w_q, w_k, w_v = layer.in_proj_weight.split(D)  # (D, D) each
+    else:
+        w_q = layer.q_proj_weight  # (D, D)
+        w_k = layer.k_proj_weight  # (D, kdim)
+        w_v = layer.v_proj_weight  # (D, vdim)
+    b_q = b_k = b_v = None
+    if layer.in_proj_bias is not None:
+        b_q, b_k, b_v = layer.in_proj_bias.split(D)  # (D,) each
+    return w_q, w_k, w_v, b_q, b_k, b_v
+
+
 class ReferenceWeights(NamedTuple):
     """A layer's projections as the NumPy reference writes them.
 
@@ -143,7 +173,6 @@ def reference_weights(
     arrays are C-ordered copies on the CPU, in ``dtype`` (default: the
     layer's).
     """
-    D = layer.embed_dim
 
     def numpy(t: Tensor | None) -> np.ndarray | None:
         return (
@@ -152,17 +181,7 @@ def reference_weights(
             else np.array(t.detach().cpu().numpy(), dtype=dtype, order="C")
         )
 
-    if layer.in_proj_weight is not None:
-        w_q, w_k, w_v = layer.in_proj_weight.split(D)  # (D, D) each
-    else:
-        w_q, w_k, w_v = (
-            layer.q_proj_weight,
-            layer.k_proj_weight,
-            layer.v_proj_weight,
-        )
-    b_q = b_k = b_v = None
-    if layer.in_proj_bias is not None:
-        b_q, b_k, b_v = layer.in_proj_bias.split(D)  # (D,) each
+    w_q, w_k, w_v, b_q, b_k, b_v = input_projections(layer)
     out = layer.out_proj
     return ReferenceWeights(
         numpy(w_q.T),
@@ -174,3 +193,42 @@ def reference_weights(
         numpy(b_v),
         numpy(out.bias),
     )
+
+
+def grouped_query_state_dict(layer: nn.Module) -> dict[str, Tensor]:
+    """A torch MHA layer's projections under ``LlamaAttention``'s names.
+
+    ``layer``: a ``torch.nn.MultiheadAttention`` or
+    :class:`mha.MultiHeadAttention`. Returns a state_dict for
+    :class:`mha.GroupedQueryAttention` with
+    ``num_kv_heads = num_heads`` (and for ``transformers``' ``LlamaAttention``,
+    whose names it shares): ``in_proj_weight`` (3D, D) is cut into
+    ``q_proj.weight``, ``k_proj.weight``, ``v_proj.weight`` (D, D) each,
+    ``out_proj`` becomes ``o_proj``; biases likewise. Both layouts store
+    ``nn.Linear`` weights as (d_out, d_in), so nothing is transposed. The
+    tensors are copies.
+    """
+    D = layer.embed_dim
+    if getattr(layer, "kdim", D) != D or getattr(layer, "vdim", D) != D:
+        raise ValueError(
+            "layer must have kdim = vdim = embed_dim (self-attention), got "
+            f"kdim={layer.kdim}, vdim={layer.vdim}, embed_dim={D}"
+        )
+    w_q, w_k, w_v = layer.in_proj_weight.split(D)  # (D, D) each
+    state = {
+        "q_proj.weight": w_q,
+        "k_proj.weight": w_k,
+        "v_proj.weight": w_v,
+        "o_proj.weight": layer.out_proj.weight,
+    }
+    if layer.in_proj_bias is not None:
+        b_q, b_k, b_v = layer.in_proj_bias.split(D)  # (D,) each
+        state.update(
+            {
+                "q_proj.bias": b_q,
+                "k_proj.bias": b_k,
+                "v_proj.bias": b_v,
+                "o_proj.bias": layer.out_proj.bias,
+            }
+        )
+    return {name: t.detach().clone() for name, t in state.items()}

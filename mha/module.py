@@ -7,13 +7,16 @@ It differs only where torch gives NaN or an unclear error, each on purpose:
 
 * A query row whose keys are all masked gets zero weights and a zero attention
   output, never NaN, in the forward pass and in gradients
-  (``torch.nn.MultiheadAttention`` gives NaN there with ``need_weights=True``).
+  (``torch.nn.MultiheadAttention`` gives NaN there with ``need_weights=True``
+  and on its inference fast path).
   The output projection then returns its bias for that row.
 * ``is_causal=True`` works without ``attn_mask`` (a causal mask is built);
-  torch raises an error there. With ``attn_mask`` given, the mask is used as
+  torch raises an error there, or ignores the flag on its inference fast
+  path. With ``attn_mask`` given, the mask is used as
   given; torch may ignore it, and ours checks its shape.
 * Extra keys (``add_bias_kv``, ``add_zero_attn``) stay visible to every query
-  under every mask; torch hides them on its ``is_causal`` fast route.
+  under every mask; torch hides them on its ``is_causal`` route through
+  ``F.scaled_dot_product_attention`` (``need_weights=False``).
 * ``head_mask`` multiplies each head's output, to switch heads off without
   retraining.
 * Bad input raises ``ValueError`` / ``TypeError`` naming the argument, where
@@ -40,7 +43,13 @@ from ._validate import (
     check_probability,
     shape_text,
 )
-from .functional import attention, causal_mask, merge_heads, split_heads
+from .functional import (
+    attention,
+    causal_mask,
+    input_projections,
+    merge_heads,
+    split_heads,
+)
 
 __all__ = ["MultiHeadAttention"]
 
@@ -192,21 +201,13 @@ class MultiHeadAttention(nn.Module):
         Returns ``(output, weights or None)``; the arguments are described in
         the class docstring.
         """
-        batched = self._check_inputs(query, key, value)
-        # one fused projection will do
-        self_attention = query is key and key is value
-        query, key, value = (
-            self._batch_first(x, batched) for x in (query, key, value)
+        batched = self._check_inputs(
+            query, key, value, attn_mask, key_padding_mask, head_mask
         )
+        self_attention = query is key and key is value  # one projection
+        query, key, value = self._batch_first(batched, query, key, value)
         mask = self._prepare_mask(
-            attn_mask,
-            key_padding_mask,
-            head_mask,
-            is_causal,
-            need_weights,
-            query,
-            key,
-            batched,
+            query, key, attn_mask, key_padding_mask, is_causal, need_weights
         )
 
         # 1. Project: queries, keys and values, (B, T, D) each.
@@ -214,14 +215,8 @@ class MultiHeadAttention(nn.Module):
         k, v = self._extra_keys(k, v)  # add_bias_kv, add_zero_attn
         # 2. Split into heads: (B, H, T, d_k) each.
         q, k, v = (split_heads(x, self.head_dim) for x in (q, k, v))
-        # 3. Attend, every head at once: (B, H, T_q, d_k);
-        #    weights (B, H, T_q, T_k) or None.
-        heads, weights = self._attend(q, k, v, mask, need_weights)
-        if head_mask is not None:
-            # scale (switch off) whole heads: (1 or B, H, 1, 1)
-            heads = heads * head_mask.to(heads.dtype).reshape(
-                -1, self.num_heads, 1, 1
-            )
+        # 3. Attend, every head at once: (B, H, T_q, d_k), and the weights.
+        heads, weights = self._attend(q, k, v, mask, need_weights, head_mask)
         # 4. Merge the heads: (B, T_q, D).
         merged = merge_heads(heads)
         # 5. Project out: (B, T_q, D).
@@ -237,17 +232,7 @@ class MultiHeadAttention(nn.Module):
             # one matrix product for all three: (B, T, 3D)
             qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias)
             return qkv.split(D, dim=-1)  # (B, T, D) each, views
-        if self._qkv_same_embed_dim:
-            w_q, w_k, w_v = self.in_proj_weight.split(D)  # (D, D) each
-        else:
-            w_q, w_k, w_v = (
-                self.q_proj_weight,
-                self.k_proj_weight,
-                self.v_proj_weight,
-            )
-        b_q = b_k = b_v = None
-        if self.in_proj_bias is not None:
-            b_q, b_k, b_v = self.in_proj_bias.split(D)  # (D,) each
+        w_q, w_k, w_v, b_q, b_k, b_v = input_projections(self)
         return (
             F.linear(query, w_q, b_q),
             F.linear(key, w_k, b_k),
@@ -271,14 +256,21 @@ class MultiHeadAttention(nn.Module):
         return k, v
 
     def _attend(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: _Mask, need_weights: bool
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: _Mask,
+        need_weights: bool,
+        head_mask: Tensor | None,
     ) -> tuple[Tensor, Tensor | None]:
         """Attention on (B, H, T, d_k) heads, by one of two paths.
 
         ``need_weights=True`` writes out the (B, H, T_q, T_k) weights
         (:func:`attention`); ``need_weights=False`` hands the work to
         ``F.scaled_dot_product_attention``, whose fused kernels never keep the
-        weights. Empty rows (no allowed key) give zeros.
+        weights. Empty rows (no allowed key) give zeros; ``head_mask`` scales
+        whole heads (the returned weights are not scaled).
         """
         dropout_p = self.dropout if self.training else 0.0
         if need_weights:
@@ -299,20 +291,21 @@ class MultiHeadAttention(nn.Module):
             # rows with no allowed key: zero, not NaN
             heads = heads * mask.row_has_key
             weights = None if weights is None else weights * mask.row_has_key
+        if head_mask is not None:  # (1 or B, H, 1, 1): switch heads off
+            scale = head_mask.to(heads.dtype).reshape(-1, self.num_heads, 1, 1)
+            heads = heads * scale
         return heads, weights
 
     def _prepare_mask(
         self,
-        attn_mask: Tensor | None,
-        key_padding_mask: Tensor | None,
-        head_mask: Tensor | None,
-        is_causal: bool,
-        need_weights: bool,
         query: Tensor,
         key: Tensor,
-        batched: bool,
+        attn_mask: Tensor | None,
+        key_padding_mask: Tensor | None,
+        is_causal: bool,
+        need_weights: bool,
     ) -> _Mask:
-        """Check the masks; turn them into one additive mask for the scores.
+        """Turn the masks into one additive mask for the scores.
 
         ``attn_mask`` and ``key_padding_mask`` become one float mask
         (0 = allowed, -inf = blocked), ``(1 or B, 1 or H, T_q, T_k)``. Rows in
@@ -323,9 +316,6 @@ class MultiHeadAttention(nn.Module):
         extra keys of ``add_bias_kv`` / ``add_zero_attn`` are never masked.
         """
         (B, T_q, _), T_k = query.shape, key.shape[1]
-        self._check_masks(
-            attn_mask, key_padding_mask, head_mask, B, T_q, T_k, batched
-        )
         extra = int(self.bias_k is not None) + int(self.add_zero_attn)
         if is_causal and attn_mask is None:
             if key_padding_mask is None and not need_weights and not extra:
@@ -354,11 +344,15 @@ class MultiHeadAttention(nn.Module):
         unblocked = additive.masked_fill(~row_has_key, 0.0)
         return _Mask(unblocked, row_has_key.to(query.dtype), is_causal=False)
 
-    def _batch_first(self, x: Tensor, batched: bool) -> Tensor:
+    def _batch_first(
+        self, batched: bool, *inputs: Tensor
+    ) -> tuple[Tensor, ...]:
         """Any accepted input layout -> (B, T, features)."""
         if not batched:
-            return x.unsqueeze(0)  # (1, T, features)
-        return x if self.batch_first else x.transpose(0, 1)  # (B, T, features)
+            return tuple(x.unsqueeze(0) for x in inputs)  # (1, T, features)
+        if self.batch_first:
+            return inputs
+        return tuple(x.transpose(0, 1) for x in inputs)  # (B, T, features)
 
     def _outputs(
         self,
@@ -378,8 +372,16 @@ class MultiHeadAttention(nn.Module):
             output = output.transpose(0, 1)  # (T_q, B, D)
         return output, weights
 
-    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> bool:
-        """Check query, key and value; return whether the input is batched.
+    def _check_inputs(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None,
+        key_padding_mask: Tensor | None,
+        head_mask: Tensor | None,
+    ) -> bool:
+        """Check the inputs and masks; return whether the input is batched.
 
         True for batched (3-D) input, False for unbatched (2-D).
         """
@@ -387,6 +389,11 @@ class MultiHeadAttention(nn.Module):
             if not isinstance(x, Tensor):
                 raise TypeError(
                     f"{name} must be a torch.Tensor, got {type(x).__name__}"
+                )
+            if x.is_nested:
+                raise TypeError(
+                    f"{name} must be a regular tensor, got a nested tensor: "
+                    "pad the sequences and pass key_padding_mask"
                 )
             if not x.is_floating_point():
                 raise TypeError(
@@ -436,7 +443,13 @@ class MultiHeadAttention(nn.Module):
                 "key and value must have the same length T_k, got shapes "
                 f"{tuple(key.shape)} and {tuple(value.shape)}"
             )
-        return query.dim() == 3
+        batched = query.dim() == 3
+        B = query.shape[b_axis] if batched else 1
+        T_q, T_k = query.shape[t_axis], key.shape[t_axis]
+        self._check_masks(
+            attn_mask, key_padding_mask, head_mask, B, T_q, T_k, batched
+        )
+        return batched
 
     def _check_dtypes(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         """One floating type for parameters, and inputs outside autocast."""

@@ -24,6 +24,7 @@ __all__ = [
     "plot_split_heads",
     "plot_merge_heads",
     "plot_benchmark",
+    "plot_parallel_split",
 ]
 
 
@@ -31,17 +32,18 @@ __all__ = [
 #: and the figure's own width, 7 points are 9.7 pixels on the page.
 MIN_FONT_SIZE = 7
 
-#: The widest figure, in inches: the book's column at 100 dpi.
-MAX_WIDTH = 7.5
+#: The widest figure, in inches: a captioned figure's box in the book's column
+#: at 1280 px is 672 px wide, 6.7 inches at 100 dpi.
+MAX_WIDTH = 6.7
 
 
 def book_style() -> None:
     """Figures as the book shows them.
 
     Text is at least 7 points and sharp on dense screens. Figures are at most
-    7.5 inches wide (the book's column at 100 dpi), so they are shown at their
-    own size, not shrunk; in a notebook they are sent at twice the resolution
-    ("retina"), with their size in CSS pixels attached.
+    6.7 inches wide (a figure in the book's column at 100 dpi), so they are
+    shown at their own size, not shrunk; in a notebook they are sent at twice
+    the resolution ("retina"), with their size in CSS pixels attached.
     """
     plt.rcParams.update(
         {
@@ -184,7 +186,7 @@ def _draw_map(
                     f"{value:.2f}",
                     ha="center",
                     va="center",
-                    fontsize=8 if fontsize is None else fontsize - 1,
+                    fontsize=max(MIN_FONT_SIZE, (fontsize or 9) - 1),
                     color="white" if value > 0.6 * vmax else "black",
                 )
     return image
@@ -849,26 +851,16 @@ def plot_benchmark(
 
     if ax is None:
         _, ax = plt.subplots(figsize=(6.4, 4.2))
+    from .bench.report import series as measured
+
     lengths: set[int] = set()
     for impl, label in series.items():
-        pairs = [
-            (row["seq_len"], row[field])
-            for row in report["results"]
-            if row["impl"] == impl
-            and row["status"] == "ok"
-            and row.get(field) is not None
-        ]
-        if not pairs:
+        seq_lens, values = measured(report, impl, field)
+        if len(seq_lens) == 0:
             continue
-        seq_lens, values = zip(*pairs)
-        lengths.update(seq_lens)
+        lengths.update(seq_lens.tolist())
         style = (styles or {}).get(impl, "o-")
-        ax.plot(
-            seq_lens,
-            np.asarray(values, dtype=float) / scale,
-            style,
-            label=label,
-        )
+        ax.plot(seq_lens, values / scale, style, label=label)
     ticks = sorted(lengths)
     ax.set_xscale("log", base=2)
     ax.set_xticks(ticks, [str(t) for t in ticks])
@@ -886,3 +878,95 @@ def plot_benchmark(
         ax.set_title(title, fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
     return ax
+
+
+def plot_parallel_split(
+    w_q_parts: Sequence[ArrayLike],
+    w_o_parts: Sequence[ArrayLike],
+    *,
+    head_dim: int,
+) -> Figure:
+    """Draw W_Q and W_O (``x @ W`` layout) as the processes hold them.
+
+    ``w_q_parts[r]``: process r's columns of W_Q, (D, H/N d_k) each;
+    ``w_o_parts[r]``: its rows of W_O, (H/N d_k, D). W_Q is drawn cut into
+    columns (column-parallel), W_O into rows (row-parallel), a gap between
+    processes, a thin line between heads, each process's block framed in its
+    colour.
+    """
+    q_parts = [np.asarray(w, dtype=float) for w in w_q_parts]
+    o_parts = [np.asarray(w, dtype=float) for w in w_o_parts]
+    if len(q_parts) != len(o_parts) or not q_parts:
+        raise ValueError(
+            "w_q_parts and w_o_parts must hold one array per process, got "
+            f"{len(q_parts)} and {len(o_parts)}"
+        )
+    limit = max(np.abs(w).max() for w in q_parts + o_parts)
+    fig, (ax_q, ax_o) = plt.subplots(1, 2, figsize=(7.4, 3.9))
+    for ax, parts, axis in ((ax_q, q_parts, 1), (ax_o, o_parts, 0)):
+        offset = 0.0
+        for rank, part in enumerate(parts):
+            rows, cols = part.shape
+            x0, y0 = (offset, 0.0) if axis == 1 else (0.0, offset)
+            ax.imshow(
+                part,
+                cmap="RdBu_r",
+                vmin=-limit,
+                vmax=limit,
+                extent=(x0, x0 + cols, y0 + rows, y0),
+            )
+            colour = plt.get_cmap("tab10")(rank)
+            ax.add_patch(
+                plt.Rectangle(
+                    (x0, y0), cols, rows, fill=False, lw=2.5, ec=colour
+                )
+            )
+            first_head = rank * part.shape[axis] // head_dim
+            for start in range(0, part.shape[axis], head_dim):
+                name = f"head {first_head + start // head_dim}"
+                if axis == 1:
+                    ax.plot([x0 + start] * 2, [y0, y0 + rows], "k-", lw=0.6)
+                    ax.text(
+                        x0 + start + head_dim / 2,
+                        y0 - 0.3,
+                        name,
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                    )
+                else:
+                    ax.plot([x0, x0 + cols], [y0 + start] * 2, "k-", lw=0.6)
+                    ax.text(
+                        -0.6,
+                        y0 + start + head_dim / 2,
+                        name,
+                        ha="right",
+                        va="center",
+                        fontsize=7,
+                    )
+            label = f"process {rank}"
+            if axis == 1:
+                ax.text(x0 + cols / 2, -1.8, label, ha="center", color=colour)
+            else:
+                ax.text(
+                    cols + 0.6,
+                    y0 + rows / 2,
+                    label,
+                    va="center",
+                    rotation=270,
+                    color=colour,
+                )
+            offset += part.shape[axis] + 1.0  # a gap between processes
+        ax.set_xlim(-0.5, ax.get_xlim()[1] + 0.5)
+        ax.set_ylim(ax.get_ylim()[0] + 0.5, -2.8)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.set_frame_on(False)
+    ax_q.set_title("W_Q: columns split (column-parallel)")
+    ax_q.set_xlabel("output feature (head by head)")
+    ax_q.set_ylabel("input feature")
+    ax_o.set_title("W_O: rows split (row-parallel)")
+    ax_o.set_xlabel("output feature")
+    ax_o.set_ylabel("input feature (head by head)", labelpad=34)
+    fig.tight_layout()
+    return fig

@@ -395,17 +395,7 @@ def _check_loop_inputs(
     """
     x = _check_inputs("x", x)
     w_o = _as_float_array("w_o", w_o)
-    num_heads = len(w_q_heads)
-    if (
-        num_heads == 0
-        or len(w_k_heads) != num_heads
-        or len(w_v_heads) != num_heads
-    ):
-        raise ValueError(
-            "w_q_heads, w_k_heads and w_v_heads must be non-empty lists "
-            "of the same length, got lengths "
-            f"{len(w_q_heads)}, {len(w_k_heads)} and {len(w_v_heads)}"
-        )
+    num_heads = _check_head_lists(w_q_heads, w_k_heads, w_v_heads)
     d_in = x.shape[-1]
     w_q, w_k, w_v = [], [], []
     for i in range(num_heads):
@@ -453,6 +443,26 @@ def _check_loop_inputs(
         for i in range(num_heads)
     ]
     return x, w_q, w_k, w_v, w_o, head_masks
+
+
+def _check_head_lists(
+    w_q_heads: Sequence[ArrayLike],
+    w_k_heads: Sequence[ArrayLike],
+    w_v_heads: Sequence[ArrayLike],
+) -> int:
+    """H, after checking that the three lists of per-head matrices match."""
+    num_heads = len(w_q_heads)
+    if (
+        num_heads == 0
+        or len(w_k_heads) != num_heads
+        or len(w_v_heads) != num_heads
+    ):
+        raise ValueError(
+            "w_q_heads, w_k_heads and w_v_heads must be non-empty lists "
+            "of the same length, got lengths "
+            f"{len(w_q_heads)}, {len(w_k_heads)} and {len(w_v_heads)}"
+        )
+    return num_heads
 
 
 def _check_projection_inputs(

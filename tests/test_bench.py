@@ -72,6 +72,8 @@ def test_help_lists_every_option() -> None:
         "--output",
         "--memory",
         "--threads",
+        "--decode",
+        "--kv-heads",
     ):
         assert option in completed.stdout
     assert "--memory-probe" not in completed.stdout
@@ -407,3 +409,215 @@ def test_layer_weights_are_torch_initialisation() -> None:
     bound = math.sqrt(6.0 / (config.embed_dim + 3 * config.embed_dim))  # Xavier-uniform on (3D, D)
     assert float(layer.in_proj_weight.abs().max()) <= bound
     assert torch.equal(layer.in_proj_weight, bench.make_layer(config, seed=3).in_proj_weight)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tiled_entries_compute_the_reference_core(causal: bool) -> None:
+    # head_dim 16: a size the Triton kernel takes (the test above uses 8, which it refuses).
+    config = bench.BenchConfig(batch=1, seq_len=40, heads=2, head_dim=16, causal=causal)
+    layer, x = bench.make_layer(config), bench.make_input(config)
+    _, core_out, _ = _expected(config, layer, x)
+    for impl in ("flash_torch", "triton_attention"):
+        assert bench.IMPLEMENTATIONS[impl].scope == "core"
+        with torch.no_grad():
+            output = bench.build_runner(impl, layer, x, causal)()
+        np.testing.assert_allclose(output.numpy(), core_out, rtol=2e-5, atol=2e-5, err_msg=impl)
+    assert "flash_torch" in bench.default_impls("cpu")
+    assert "triton_attention" not in bench.default_impls("cpu")  # by name only: interpreted
+    assert "triton_attention" in bench.default_impls("cuda")
+
+
+def test_impl_lists_the_tiled_entries() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "mha.bench", "--impl"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    layer_table = completed.stdout.split("\n\n")[0]  # the decode table follows
+    names = [line.split()[0] for line in layer_table.splitlines()[1:]]
+    assert names == list(bench.IMPLEMENTATIONS)
+    assert "flash_torch" in names and "triton_attention" in names
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode steps (python -m mha.bench --decode)
+
+DECODE_TINY = [
+    "--decode",
+    "--batch",
+    "2",
+    "--heads",
+    "4",
+    "--head-dim",
+    "8",
+    "--seq-lens",
+    "5",
+    "9",
+    "--kv-heads",
+    "4",
+    "2",
+    "1",
+    "--repeats",
+    "2",
+    "--min-time",
+    "0",
+    "--quiet",
+]
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_every_decode_step_equals_the_last_row_of_the_full_forward(
+    num_kv_heads: int, dtype: torch.dtype, tolerance: float
+) -> None:
+    from transformers import __version__  # noqa: F401  (a pinned test dependency)
+
+    layer = bench.make_decode_layer(32, 4, num_kv_heads, dtype=dtype)
+    context, x_new = bench.make_decode_inputs(2, 9, 32, dtype=dtype)
+    with torch.no_grad():
+        expected = layer(torch.cat((context, x_new), dim=1))[:, -1:]  # causal, positions 0..9
+    assert set(bench.DECODE_IMPLEMENTATIONS).isdisjoint(bench.IMPLEMENTATIONS)
+    for impl in bench.DECODE_IMPLEMENTATIONS:
+        runner = bench.build_decode_runner(impl, layer, context, x_new)
+        with torch.no_grad():
+            first, second = runner(), runner()  # the same step every call
+        # transformers computes its rotary angles in float32 whatever the dtype.
+        tol = 1e-6 if impl.startswith("hf_") and dtype == torch.float64 else tolerance
+        torch.testing.assert_close(first, expected, rtol=tol, atol=tol, msg=impl)
+        assert torch.equal(first, second), impl
+
+
+def test_decode_cli_writes_json_with_ratios_and_targets(tmp_path, capsys) -> None:
+    json_path = tmp_path / "decode.json"
+    assert bench.main([*DECODE_TINY, "--output", str(json_path)]) == 0
+    printed = capsys.readouterr().out
+    for text in ("ours/hf_dynamic", "no_cache/ours", "targets, from this run", "prealloc"):
+        assert text in printed, text
+    report = json.loads(json_path.read_text())
+    env = report["environment"]
+    for field in (*ENV_FIELDS, "transformers_version", "command"):
+        assert field in env, field
+    assert env["command"].startswith("python -m mha.bench --decode")
+    config = report["config"]
+    assert config["mode"] == "decode" and config["kv_heads"] == [4, 2, 1]
+    assert config["batches"] == [2] and config["contexts"] == [5, 9]
+    rows = report["results"]
+    impls = list(bench.DECODE_IMPLEMENTATIONS)
+    assert len(rows) == 2 * 3 * len(impls)  # T, H_kv, implementation
+    for row in rows:
+        assert row["status"] == "ok", row
+        assert row["median_s"] > 0 and row["repeats"] >= 2 and len(row["times_s"]) >= 2
+        if row["impl"] == "no_cache":
+            assert row["cache_bytes"] is None
+        else:  # keys and values of T + 1 positions, float32
+            expected = 2 * row["batch"] * (row["context"] + 1) * row["num_kv_heads"] * 8 * 4
+            assert row["cache_bytes"] == expected
+        assert row["weight_bytes"] == (2 * 32 + 2 * row["num_kv_heads"] * 8) * 32 * 4
+    assert len(report["ratios"]) == 2 * 3
+    for ratio in report["ratios"]:
+        for key in ("ours/hf_dynamic", "ours/hf_static", "no_cache/ours", "concat/ours"):
+            assert ratio[key] > 0, key
+        assert (ratio["ours/MHA"] == 1.0) == (ratio["num_kv_heads"] == 4)
+    names = [t["name"] for t in report["targets"]]
+    assert len(names) == 4 and "GQA step faster than MHA at T=9" in names
+    assert all(isinstance(t["met"], bool) for t in report["targets"])
+
+
+def _decode_report(times: dict[tuple[str, int, int], list[float]]) -> dict:
+    """A report with the given per-round times for (impl, H_kv, T), B = 1, H = 4."""
+    results = [
+        {
+            "impl": impl,
+            "num_kv_heads": h_kv,
+            "batch": 1,
+            "context": t,
+            "status": "ok",
+            "median_s": float(np.median(samples)),
+            "times_s": samples,
+            "cache_bytes": 2 * (t + 1) * h_kv * 8 * 4,
+        }
+        for (impl, h_kv, t), samples in times.items()
+    ]
+    report = {
+        "config": {"batches": [1], "contexts": [128, 4096], "kv_heads": [4, 1], "heads": 4},
+        "results": results,
+    }
+    report["ratios"] = bench.decode_ratios(report)
+    report["targets"] = bench.decode_targets(report)
+    return report
+
+
+def test_decode_ratios_and_targets_by_hand() -> None:
+    times = {
+        ("preallocated_cache", 4, 128): [1.0, 2.0, 1.0],
+        ("preallocated_cache", 4, 4096): [3.0, 6.0, 3.0],  # 3x longer: not flat within 2x
+        ("preallocated_cache", 1, 128): [1.0, 2.0, 1.0],
+        ("preallocated_cache", 1, 4096): [1.5, 3.0, 1.5],
+        ("hf_dynamic_cache", 4, 128): [1.25, 2.5, 1.25],  # ours / theirs = 0.8 in every round
+        ("hf_dynamic_cache", 4, 4096): [2.0, 6.0, 2.0],  # 1.5, 1.0, 1.5 -> median 1.5
+        ("no_cache", 4, 4096): [30.0, 60.0, 30.0],
+    }
+    report = _decode_report(times)
+    by_key = {(r["num_kv_heads"], r["context"]): r for r in report["ratios"]}
+    assert by_key[4, 128]["ours/hf_dynamic"] == pytest.approx(0.8)
+    assert by_key[4, 4096]["ours/hf_dynamic"] == pytest.approx(1.5)
+    assert by_key[4, 4096]["no_cache/ours"] == pytest.approx(10.0)
+    assert by_key[1, 4096]["ours/MHA"] == pytest.approx(0.5)
+    assert by_key[4, 128]["ours/hf_static"] is None  # not measured: no ratio
+    flat, versus_dynamic = report["targets"][:2]
+    assert not flat["met"]  # MHA's step grew 3x
+    growth = {(g["impl"], g["num_kv_heads"]): g["ratio"] for g in flat["measured"]}
+    assert growth["preallocated_cache", 4] == pytest.approx(3.0)
+    assert growth["preallocated_cache", 1] == pytest.approx(1.5)
+    assert not versus_dynamic["met"]
+    assert versus_dynamic["measured"]["worst_ratio"] == pytest.approx(1.5)
+    assert len(report["targets"]) == 2  # no GQA between MHA (4) and MQA (1) here
+
+    times["preallocated_cache", 4, 4096] = [1.8, 3.6, 1.8]
+    times["hf_dynamic_cache", 4, 4096] = [2.0, 4.0, 2.0]
+    flat, versus_dynamic = _decode_report(times)["targets"][:2]
+    assert flat["met"] and versus_dynamic["met"]
+
+
+def test_decode_gqa_target_reports_the_bytes_read() -> None:
+    report = {
+        "config": {"batches": [1], "contexts": [128, 4096], "kv_heads": [4, 2], "heads": 4},
+        "results": [
+            {
+                "impl": "preallocated_cache",
+                "num_kv_heads": h_kv,
+                "batch": 1,
+                "context": t,
+                "status": "ok",
+                "median_s": seconds,
+                "cache_bytes": 2 * (t + 1) * h_kv * 8 * 4,
+            }
+            for h_kv, t, seconds in ((4, 128, 1.0), (2, 128, 1.0), (4, 4096, 4.0), (2, 4096, 2.5))
+        ],
+    }
+    report["ratios"] = bench.decode_ratios(report)
+    (gqa,) = [t for t in bench.decode_targets(report) if t["name"].startswith("GQA")]
+    assert gqa["met"]
+    (measured,) = gqa["measured"]
+    assert measured["time_ratio"] == pytest.approx(2.5 / 4.0)
+    assert measured["cache_bytes_mha"] == 2 * measured["cache_bytes_gqa"]
+
+
+def test_decode_bad_arguments() -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main([*DECODE_TINY, "--output", "out.csv"])
+    assert exit_info.value.code == 2
+    with pytest.raises(ValueError, match=r"each of kv_heads must divide heads \(4\), got 3"):
+        bench.run_decode_benchmark(heads=4, head_dim=8, kv_heads=[3], contexts=[4], quiet=True)
+    with pytest.raises(ValueError, match="impls must be among"):
+        bench.run_decode_benchmark(impls=["sdpa_bare"], contexts=[4], quiet=True)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        bench.build_decode_runner("mha_module", None, torch.zeros(1, 2, 4), torch.zeros(1, 1, 4))
+    with pytest.raises(SystemExit):
+        bench.main(["--kv-heads", "2", *TINY])  # --kv-heads goes with --decode
+    with pytest.raises(ValueError, match="registered already"):
+        bench.register("no_cache", scope="decode", registry=bench.DECODE_IMPLEMENTATIONS)(
+            lambda layer, context, x_new: None
+        )

@@ -367,3 +367,107 @@ def test_head_ablation_data():
 def test_all_names_exported():
     for name in counting.__all__:
         assert hasattr(counting, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes moved and the roofline of the attention core (chapter 13), derived by hand
+
+
+def test_attention_core_bytes_by_hand() -> None:
+    # B = 1, H = 1, T = 1024, d_k = 64, bf16: q, k, v in and the output out = 4 * 1024 * 64
+    # elements of 2 bytes = 524,288 bytes.
+    assert counting.attention_core_bytes(1, 1024, 1, 64) == 524_288
+    # Materialising adds S written, S read, P written, P read: 4 * 1024^2 * 2 = 8,388,608 bytes.
+    assert counting.attention_core_bytes(1, 1024, 1, 64, materialise=True) == 8_912_896
+    # Cross-attention, B = 2, H = 3, T_q = 10, T_k = 20, d_k = 4, float32:
+    # (2*10 + 2*20) * 2 * 3 * 4 = 1440 elements = 5760 bytes; + 4 * 2*3*10*20 = 4800 elements.
+    assert counting.attention_core_bytes(2, 10, 3, 4, t_k=20, bytes_per_element=4) == 5760
+    assert (
+        counting.attention_core_bytes(2, 10, 3, 4, t_k=20, bytes_per_element=4, materialise=True)
+        == 5760 + 4800 * 4
+    )
+
+
+def test_exponentials_by_hand() -> None:
+    # One exp per score: B H T_q T_k = 2 * 3 * 10 * 20 = 1200; halved when causal.
+    assert counting.attention_core_exponentials(2, 10, 3, t_k=20) == 1200
+    assert counting.attention_core_exponentials(2, 10, 3, t_k=20, causal=True) == 600
+    # Against the core's 4 B H T^2 d_k FLOPs: one exp per 4 d_k = 512 FLOPs at d_k = 128, the
+    # ratio shah2024flashattention3 quotes (Section 3.1: "512x more matmul FLOPS").
+    flops = counting.attention_core_flops(1, 256, 128 * 4, 4)
+    assert flops // counting.attention_core_exponentials(1, 256, 4) == 512
+
+
+def test_h100_figures_are_the_datasheet_ones() -> None:
+    # 1,979 TFLOPS with sparsity -> 989.5 dense; 3.35 TB/s; ridge 989.5 / 3.35 = 295.37 FLOP/B.
+    h100 = counting.H100_SXM
+    assert h100.peak_flop_per_s == 989.5e12 and h100.memory_bytes_per_s == 3.35e12
+    assert h100.ridge_intensity == pytest.approx(295.373, abs=1e-3)
+    assert h100.dtype == "bfloat16" and h100.citation == "nvidia2023h100"
+
+
+def test_roofline_of_the_fused_and_the_materialising_core_by_hand() -> None:
+    # B = H = 1, T = 1024, d_k = 64, bf16 on the H100 SXM.
+    # FLOPs: 4 * 1024^2 * 64 = 268,435,456. Fused: 524,288 bytes, intensity 512 FLOP/B > 295.4:
+    # compute-bound, 268,435,456 / 989.5e12 s = 0.27128 us, at the peak.
+    fused = counting.attention_core_roofline(1, 1024, 1, 64)
+    assert fused.flop == 268_435_456 and fused.intensity == 512.0
+    assert fused.bound == "compute"
+    assert fused.seconds == pytest.approx(2.7128394e-7, rel=1e-7)
+    assert fused.flop_per_s == pytest.approx(989.5e12)
+    # Materialising: 8,912,896 bytes, intensity T d / (2 (T + d)) = 65536 / 2176 = 30.12 FLOP/B:
+    # memory-bound, 8,912,896 / 3.35e12 s = 2.6606 us, 30.12 * 3.35 = 100.9 TFLOP/s.
+    textbook = counting.attention_core_roofline(1, 1024, 1, 64, materialise=True)
+    assert textbook.intensity == pytest.approx(65536 / 2176)
+    assert textbook.bound == "memory"
+    assert textbook.seconds == pytest.approx(2.6605660e-6, rel=1e-7)
+    assert textbook.flop_per_s == pytest.approx(100.894e12, rel=1e-5)
+    # Causal halves the FLOPs, not the fused kernel's bytes: intensity T / 4 = 256 < 295.4.
+    causal = counting.attention_core_roofline(1, 1024, 1, 64, causal=True)
+    assert causal.intensity == 256.0 and causal.bound == "memory"
+    assert causal.flop_per_s == pytest.approx(256 * 3.35e12)
+
+
+def test_roofline_rejects_bad_counts() -> None:
+    with pytest.raises(TypeError, match="flop must be an int"):
+        counting.roofline(1.5, 10)
+    with pytest.raises(ValueError, match="bytes_moved must be a positive int, got 0"):
+        counting.roofline(10, 0)
+    with pytest.raises(ValueError, match="head_dim must be a positive int"):
+        counting.attention_core_bytes(1, 8, 1, 0)
+
+
+# Key/value caches of published decoders (chapter 12)
+
+
+def test_decoder_kv_cache_bytes_per_token_by_hand() -> None:
+    from mha.counting import DECODER_KV_CONFIGS
+
+    by_name = {c.name: c for c in DECODER_KV_CONFIGS}
+    # 2 (keys and values) x layers x key/value heads x d_k x 2 bytes (16-bit floats).
+    expected = {
+        "Llama-2-7B": 2 * 32 * 32 * 128 * 2,  # 524,288 bytes = 512 KiB
+        "Llama-2-70B": 2 * 80 * 8 * 128 * 2,  # 327,680 bytes = 320 KiB
+        "Llama-3-8B": 2 * 32 * 8 * 128 * 2,  # 131,072 bytes = 128 KiB
+        "Mistral-7B": 2 * 32 * 8 * 128 * 2,
+    }
+    assert {name: c.kv_cache_bytes_per_token() for name, c in by_name.items()} == expected
+    assert by_name["Llama-2-7B"].kv_cache_bytes_per_token() == 512 * 1024
+    for config in DECODER_KV_CONFIGS:
+        assert config.d_model // config.num_heads == config.head_dim
+        assert config.num_heads % config.num_kv_heads == 0
+        ratio = config.mha_kv_cache_bytes_per_token() / config.kv_cache_bytes_per_token()
+        assert ratio == config.num_heads / config.num_kv_heads  # what sharing saves
+        assert config.citation and config.source
+
+
+def test_deepseek_v2_figures_agree_with_each_other() -> None:
+    from mha.counting import DEEPSEEK_V2_MLA as mla
+
+    assert mla.elements_per_token() == (512 + 64) * 60 == 34_560
+    # Table 1: d_c = 4 d_h, d_h^R = d_h / 2: (d_c + d_h^R) l = 9/2 d_h l = GQA with 2.25 groups.
+    assert mla.kv_compression_dim == 4 * mla.head_dim and mla.rope_head_dim == mla.head_dim // 2
+    assert (mla.kv_compression_dim + mla.rope_head_dim) / (2 * mla.head_dim) == (
+        mla.equivalent_gqa_groups
+    )
+    assert mla.mha_elements_per_token() == 2 * 128 * 128 * 60

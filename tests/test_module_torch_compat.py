@@ -217,7 +217,12 @@ def test_compiles_as_one_graph() -> None:
     x = randn(2, 5, 8)
     padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
     compiled = torch.compile(ours, fullgraph=True, backend="eager")
-    for kwargs in ({}, {"need_weights": False, "is_causal": True}, {"key_padding_mask": padding}):
+    for kwargs in (
+        {},
+        {"need_weights": False, "is_causal": True},
+        {"is_causal": True},  # a causal mask built from the reference's
+        {"key_padding_mask": padding},
+    ):
         assert_same(compiled(x, x, x, **kwargs), ours(x, x, x, **kwargs), str(kwargs))
 
 
@@ -279,3 +284,10 @@ def test_extra_keys_stay_visible_under_is_causal() -> None:
         torch.testing.assert_close(got, expected, rtol=TOL, atol=TOL)
     hidden, _ = theirs(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)
     assert not torch.allclose(hidden, expected)  # torch's two routes disagree
+
+
+def test_nested_tensors_are_refused_clearly() -> None:
+    module = MultiHeadAttention(8, 2, batch_first=True)
+    nested = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)])
+    with pytest.raises(TypeError, match="query must be a regular tensor, got a nested tensor"):
+        module(nested, nested, nested)

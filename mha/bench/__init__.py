@@ -17,6 +17,7 @@ package's rooms:
 * :mod:`~mha.bench.environment` - device, versions, threads, date and commit;
 * :mod:`~mha.bench.run` - the benchmark loop;
 * :mod:`~mha.bench.report` - reading reports, ratios, tables, JSON and CSV;
+* :mod:`~mha.bench.decode` - ``--decode``: time per generated token;
 * :mod:`~mha.bench.cli` - the command line.
 
 FLOP counts come from :mod:`mha.counting`, the package's one home for counts.
@@ -59,12 +60,24 @@ from __future__ import annotations
 
 from .cli import main
 from .config import DTYPES, BenchConfig, make_input, make_layer
+from .decode import (
+    DECODE_BATCHES,
+    DECODE_CONTEXTS,
+    decode_ratios,
+    decode_targets,
+    format_decode_table,
+    make_decode_inputs,
+    make_decode_layer,
+    run_decode_benchmark,
+)
 from .environment import device_name, environment
 from .implementations import BACKENDS, sdpa_attention, textbook_attention
 from .registry import (
+    DECODE_IMPLEMENTATIONS,
     IMPLEMENTATIONS,
     Implementation,
     Unsupported,
+    build_decode_runner,
     build_runner,
     default_impls,
     implementation_table,
@@ -82,6 +95,16 @@ from .report import (
 from .run import DEFAULT_SEQ_LENS, MEMORY_SEQ_LENS, run_benchmark
 
 __all__ = [
+    "DECODE_IMPLEMENTATIONS",
+    "DECODE_BATCHES",
+    "DECODE_CONTEXTS",
+    "build_decode_runner",
+    "make_decode_layer",
+    "make_decode_inputs",
+    "run_decode_benchmark",
+    "decode_ratios",
+    "decode_targets",
+    "format_decode_table",
     "BACKENDS",
     "DTYPES",
     "IMPLEMENTATIONS",

@@ -9,7 +9,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .config import DTYPES
-from .registry import IMPLEMENTATIONS, implementation_table
+from .decode import (
+    DECODE_BATCHES,
+    DECODE_CONTEXTS,
+    format_decode_table,
+    run_decode_benchmark,
+)
+from .registry import (
+    DECODE_IMPLEMENTATIONS,
+    IMPLEMENTATIONS,
+    implementation_table,
+)
 from .report import format_table, write_results
 from .run import DEFAULT_SEQ_LENS, MEMORY_SEQ_LENS, _log, run_benchmark
 from .timing import cpu_peak_probe
@@ -37,7 +47,11 @@ def _parser() -> argparse.ArgumentParser:
             "python -m mha.bench --memory "
             "--output benchmarks/cpu_memory.json;  "
             "python -m mha.bench --device cuda --dtype bfloat16 "
-            "--output gpu.json"
+            "--output gpu.json;  "
+            "python -m mha.bench --decode --output decode.json "
+            "(time per generated token against context: "
+            + ", ".join(DECODE_IMPLEMENTATIONS)
+            + ")"
         ),
     )
     parser.add_argument(
@@ -55,8 +69,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--batch",
         type=int,
+        nargs="+",
         default=None,
-        help="B, sequences per call (default: 8; 1 with --memory)",
+        metavar="B",
+        help="B, sequences per call (default: 8; 1 with --memory; "
+        f"{' and '.join(map(str, DECODE_BATCHES))} with --decode, which "
+        "takes several)",
     )
     parser.add_argument("--heads", type=int, default=8, help="H (default: 8)")
     parser.add_argument(
@@ -73,12 +91,32 @@ def _parser() -> argparse.ArgumentParser:
         metavar="T",
         help="sequence lengths (default: "
         f"{' '.join(map(str, DEFAULT_SEQ_LENS))}; "
-        f"{' '.join(map(str, MEMORY_SEQ_LENS))} with --memory)",
+        f"{' '.join(map(str, MEMORY_SEQ_LENS))} with --memory); with "
+        "--decode the context lengths (default: "
+        f"{' '.join(map(str, DECODE_CONTEXTS))})",
+    )
+    parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="time one generated token after a context of T tokens: no "
+        "cache, the concatenating and the preallocated cache of "
+        "mha.GroupedQueryAttention, and transformers' LlamaAttention with "
+        "its DynamicCache and StaticCache, for several numbers of key/value "
+        "heads (--kv-heads); JSON output only",
+    )
+    parser.add_argument(
+        "--kv-heads",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="H_KV",
+        help="with --decode: key/value head counts, each dividing --heads "
+        "(default: heads, heads/4, 1: MHA, GQA, MQA)",
     )
     parser.add_argument(
         "--impl",
         nargs="*",
-        choices=tuple(IMPLEMENTATIONS),
+        choices=tuple(IMPLEMENTATIONS) + tuple(DECODE_IMPLEMENTATIONS),
         default=None,
         metavar="NAME",
         help="implementations to run (default: those the device offers; "
@@ -161,11 +199,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.impl == []:
         print(implementation_table())
+        print()
+        print(implementation_table(DECODE_IMPLEMENTATIONS))
         return 0
+    if args.decode:
+        return _decode(parser, args, argv)
     for output in args.output:
         if Path(output).suffix.lower() not in (".json", ".csv"):
             parser.error(f"--output must end in .json or .csv, got {output!r}")
-    batch = args.batch if args.batch is not None else (1 if args.memory else 8)
+    if args.batch is not None and len(args.batch) != 1:
+        parser.error("--batch takes one value (several only with --decode)")
+    if args.kv_heads is not None:
+        parser.error("--kv-heads goes with --decode")
+    if args.impl and any(i in DECODE_IMPLEMENTATIONS for i in args.impl):
+        parser.error("decode implementations (--impl) go with --decode")
+    batch = (
+        args.batch[0] if args.batch is not None else (1 if args.memory else 8)
+    )
     seq_lens = (
         args.seq_lens
         if args.seq_lens is not None
@@ -196,6 +246,52 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.argv[1:] if argv is None else list(argv)
     )
     print(format_table(report))
+    for output in args.output:
+        written = write_results(report, output)
+        _log(f"wrote {written}", args.quiet)
+    return 0
+
+
+def _decode(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    argv: Sequence[str] | None,
+) -> int:
+    """``--decode``: time per generated token; JSON output."""
+    for output in args.output:
+        if Path(output).suffix.lower() != ".json":
+            parser.error(
+                f"--output with --decode must end in .json, got {output!r}"
+            )
+    if args.memory:
+        parser.error("--memory and --decode do not go together")
+    if args.impl and any(i not in DECODE_IMPLEMENTATIONS for i in args.impl):
+        parser.error(
+            "with --decode, --impl takes " + ", ".join(DECODE_IMPLEMENTATIONS)
+        )
+    try:
+        report = run_decode_benchmark(
+            device="cpu" if args.device == "auto" else args.device,
+            dtype=args.dtype,
+            batches=args.batch or DECODE_BATCHES,
+            heads=args.heads,
+            head_dim=args.head_dim,
+            kv_heads=args.kv_heads,
+            contexts=args.seq_lens or DECODE_CONTEXTS,
+            impls=args.impl,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            min_time=args.min_time,
+            max_repeats=args.max_repeats,
+            threads=args.threads,
+            quiet=args.quiet,
+        )
+    except ValueError as error:
+        parser.error(str(error))
+    report["environment"]["command"] = "python -m mha.bench " + " ".join(
+        sys.argv[1:] if argv is None else list(argv)
+    )
+    print(format_decode_table(report))
     for output in args.output:
         written = write_results(report, output)
         _log(f"wrote {written}", args.quiet)

@@ -23,7 +23,7 @@ from ..functional import (
     reference_weights,
     split_heads,
 )
-from .registry import Runner, Unsupported, register
+from .registry import DECODE_IMPLEMENTATIONS, Runner, Unsupported, register
 
 __all__ = ["BACKENDS", "textbook_attention", "sdpa_attention"]
 
@@ -176,16 +176,9 @@ def mha_module(
 def torch_mha(layer: nn.MultiheadAttention, x: Tensor, causal: bool) -> Runner:
     """``torch.nn.MultiheadAttention``, ``need_weights=False``.
 
-    This is its fast path.
+    In eval mode without autograd, as the harness calls it: its fast path.
     """
-    # Same tensor as query, key and value: the condition for torch's
-    # self-attention fast path.
-    # torch takes is_causal only as a hint that attn_mask is causal, so the
-    # mask is given too.
-    blocked = ~causal_mask(x.shape[1], device=x.device) if causal else None
-    return lambda: layer(
-        x, x, x, need_weights=False, attn_mask=blocked, is_causal=causal
-    )[0]
+    return _torch_layer(layer, x, causal)
 
 
 @register(
@@ -204,9 +197,17 @@ def torch_mha_general(
     ``F.multi_head_attention_forward``, which hands the core to
     ``F.scaled_dot_product_attention``.
     """
-    general = copy.deepcopy(layer).train()
+    return _torch_layer(copy.deepcopy(layer).train(), x, causal)
+
+
+def _torch_layer(
+    layer: nn.MultiheadAttention, x: Tensor, causal: bool
+) -> Runner:
+    # Same tensor as query, key and value: the condition for torch's
+    # self-attention fast path. torch takes is_causal only as a hint that
+    # attn_mask is causal, so the mask is given too.
     blocked = ~causal_mask(x.shape[1], device=x.device) if causal else None
-    return lambda: general(
+    return lambda: layer(
         x, x, x, need_weights=False, attn_mask=blocked, is_causal=causal
     )[0]
 
@@ -273,3 +274,215 @@ for _short, _backend in BACKENDS.items():
         summary="``F.scaled_dot_product_attention`` alone, "
         f"forced to the {_short} backend",
     )(_sdpa_core(_backend))
+
+
+# ---------------------------------------------------------------------------
+# Tiled attention (chapter 13): the attention core on projected heads
+
+
+def _projected_heads(
+    layer: nn.MultiheadAttention, x: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v of ``layer`` for ``x``, each (B, H, T, d_k), made untimed."""
+    with torch.no_grad():
+        qkv = F.linear(x, layer.in_proj_weight, layer.in_proj_bias)
+    d_k = x.shape[-1] // layer.num_heads
+    q, k, v = (split_heads(t, d_k) for t in qkv.chunk(3, dim=-1))
+    return q, k, v  # (B, H, T, d_k) each
+
+
+@register("flash_torch", scope="core")
+def flash_torch(
+    layer: nn.MultiheadAttention, x: Tensor, causal: bool
+) -> Runner:
+    """:func:`mha.flash.flash_attention_torch`: tiles of 64 x 64 scores."""
+    from ..flash import flash_attention_torch
+
+    q, k, v = _projected_heads(layer, x)
+    return lambda: flash_attention_torch(q, k, v, causal=causal)[0]
+
+
+@register(
+    "triton_attention",
+    scope="core",
+    dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    default_on=("cuda",),
+)
+def triton_kernel(
+    layer: nn.MultiheadAttention, x: Tensor, causal: bool
+) -> Runner:
+    """:func:`mha.kernels.triton_attention` (CPU: in Triton's interpreter)."""
+    from .. import kernels
+
+    d_k = x.shape[-1] // layer.num_heads
+    if not kernels.TRITON_AVAILABLE:
+        raise Unsupported("triton_attention needs triton, not installed here")
+    if d_k not in kernels.HEAD_DIMS:
+        raise Unsupported(
+            f"triton_attention takes d_k in {kernels.HEAD_DIMS}, not {d_k}"
+        )
+    if kernels.INTERPRETED != (x.device.type == "cpu"):
+        mode = "interpreted" if kernels.INTERPRETED else "compiled"
+        raise Unsupported(
+            "triton_attention runs compiled on CUDA tensors and in the "
+            f"interpreter on CPU tensors; here it is {mode} and the device "
+            f"is {x.device.type}"
+        )
+    if kernels.INTERPRETED and x.dtype == torch.bfloat16:
+        raise Unsupported("the Triton interpreter has no correct bfloat16")
+    q, k, v = _projected_heads(layer, x)
+    return lambda: kernels.triton_attention(q, k, v, causal=causal)
+
+
+# Decode steps (python -m mha.bench --decode): the output of one new token
+# after a context of T tokens, by a GroupedQueryAttention layer or by
+# transformers' LlamaAttention with the same weights. Each runner repeats the
+# same step: the cache is set back to the context before every call.
+
+
+def _decode_entry(name: str, summary: str):
+    return register(
+        name,
+        scope="decode",
+        registry=DECODE_IMPLEMENTATIONS,
+        devices=("cpu", "cuda"),
+        summary=summary,
+    )
+
+
+@_decode_entry("no_cache", "the whole sequence again, causal; its last row")
+def decode_no_cache(
+    layer: nn.Module, context: Tensor, x_new: Tensor
+) -> Runner:
+    sequence = torch.cat((context, x_new), dim=1)  # (B, T + 1, D)
+    return lambda: layer(sequence)[:, -1:]  # (B, 1, D)
+
+
+@_decode_entry("concat_cache", "mha.ConcatKVCache: torch.cat of the cache")
+def decode_concat_cache(
+    layer: nn.Module, context: Tensor, x_new: Tensor
+) -> Runner:
+    from ..decoding import ConcatKVCache
+
+    B, T, _ = context.shape
+    cache = ConcatKVCache(
+        B,
+        layer.num_kv_heads,
+        layer.head_dim,
+        dtype=context.dtype,
+        device=context.device,
+    )
+    layer(context, cache=cache)  # the context's keys and values, untimed
+
+    def step() -> Tensor:
+        cache.truncate(T)  # forget the previous call's token (a view)
+        return layer(x_new, cache=cache)  # (B, 1, D)
+
+    return step
+
+
+@_decode_entry("preallocated_cache", "mha.KVCache: written in place")
+def decode_preallocated_cache(
+    layer: nn.Module, context: Tensor, x_new: Tensor
+) -> Runner:
+    from ..decoding import KVCache
+
+    B, T, _ = context.shape
+    cache = KVCache(
+        B,
+        T + 1,
+        layer.num_kv_heads,
+        layer.head_dim,
+        dtype=context.dtype,
+        device=context.device,
+    )
+    layer(context, cache=cache)  # the context's keys and values, untimed
+
+    def step() -> Tensor:
+        cache.truncate(T)  # the new token is written at position T again
+        return layer(x_new, cache=cache)  # (B, 1, D)
+
+    return step
+
+
+def _llama_attention(layer: nn.Module, dtype: torch.dtype):
+    """transformers' LlamaAttention with the layer's weights, its config and
+    rotary embedding; sdpa attention, transformers' default."""
+    try:
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import (
+            LlamaAttention,
+            LlamaRotaryEmbedding,
+        )
+    except ImportError as error:  # pragma: no cover - a pinned test dependency
+        raise Unsupported(f"transformers is not installed ({error})") from None
+    config = LlamaConfig(
+        hidden_size=layer.embed_dim,
+        num_attention_heads=layer.num_heads,
+        num_key_value_heads=layer.num_kv_heads,
+        num_hidden_layers=1,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": layer.rope_base,
+        },
+    )
+    config._attn_implementation = "sdpa"
+    device = layer.q_proj.weight.device
+    theirs = LlamaAttention(config, layer_idx=0).to(device=device, dtype=dtype)
+    theirs.load_state_dict(layer.state_dict())  # the same names
+    theirs.eval().requires_grad_(False)
+    return theirs, config, LlamaRotaryEmbedding(config).to(device)
+
+
+@_decode_entry(
+    "hf_dynamic_cache",
+    "transformers' LlamaAttention + rotary embedding, DynamicCache (cat)",
+)
+def decode_hf_dynamic_cache(
+    layer: nn.Module, context: Tensor, x_new: Tensor
+) -> Runner:
+    from transformers.cache_utils import DynamicCache
+
+    theirs, config, rotary = _llama_attention(layer, context.dtype)
+    T = context.shape[1]
+    positions = torch.arange(T + 1, device=context.device)[None]  # (1, T+1)
+    cache = DynamicCache(config=config)
+    theirs(
+        context, rotary(context, positions[:, :T]), None, past_key_values=cache
+    )
+
+    def step() -> Tensor:
+        if cache.get_seq_length() > T:
+            cache.crop(-1)  # forget the previous call's token
+        cos_sin = rotary(x_new, positions[:, T:])
+        return theirs(x_new, cos_sin, None, past_key_values=cache)[0]
+
+    return step
+
+
+@_decode_entry(
+    "hf_static_cache",
+    "transformers' LlamaAttention + rotary embedding, StaticCache (in place)",
+)
+def decode_hf_static_cache(
+    layer: nn.Module, context: Tensor, x_new: Tensor
+) -> Runner:
+    from transformers.cache_utils import StaticCache
+
+    theirs, config, rotary = _llama_attention(layer, context.dtype)
+    T = context.shape[1]
+    positions = torch.arange(T + 1, device=context.device)[None]  # (1, T+1)
+    # Exactly T + 1 slots: after the step every slot is written, so the step
+    # needs no mask (a longer StaticCache would need one over its empty slots).
+    cache = StaticCache(config=config, max_cache_len=T + 1)
+    theirs(
+        context, rotary(context, positions[:, :T]), None, past_key_values=cache
+    )
+    written = cache.layers[0].cumulative_length  # a tensor, counted in place
+
+    def step() -> Tensor:
+        written.fill_(T)  # the new token is written at position T again
+        cos_sin = rotary(x_new, positions[:, T:])
+        return theirs(x_new, cos_sin, None, past_key_values=cache)[0]
+
+    return step

@@ -13,6 +13,18 @@ implementation to ``python -m mha.bench`` is one decorated function::
 
 Every entry is then timed by the harness, listed by ``--impl``, and checked by
 ``tests/test_bench.py`` against the NumPy reference, with nothing else to edit.
+
+Decode-step entries (``python -m mha.bench --decode``) live in a registry of
+their own, :data:`DECODE_IMPLEMENTATIONS`, filled by the same decorator with
+``scope="decode", registry=DECODE_IMPLEMENTATIONS``. Their builder gets the
+layer (a :class:`mha.GroupedQueryAttention`), the context ``(B, T, D)`` and
+the new token ``(B, 1, D)``, and returns a function that computes the new
+token's output once, the same step every call::
+
+    @register("my_step", scope="decode", registry=DECODE_IMPLEMENTATIONS)
+    def my_step(layer, context, x_new):
+        cache = ...                    # filled with the context, not timed
+        return lambda: ...             # (B, 1, D), timed
 """
 
 from __future__ import annotations
@@ -31,18 +43,24 @@ __all__ = [
     "Builder",
     "Implementation",
     "IMPLEMENTATIONS",
+    "DECODE_IMPLEMENTATIONS",
+    "DecodeBuilder",
     "register",
     "build_runner",
+    "build_decode_runner",
     "default_impls",
     "implementation_table",
 ]
 
 #: What a row times: the whole layer, the attention core on projected
-#: heads, or the projections.
-SCOPES = ("layer", "core", "projections")
+#: heads, or the projections; or one decoding step of the layer
+#: (``--decode``).
+SCOPES = ("layer", "core", "projections", "decode")
 
 Runner = Callable[[], object]
 Builder = Callable[[nn.MultiheadAttention, Tensor, bool], Runner]
+#: A decode-step builder: (layer, context (B, T, D), new token (B, 1, D)).
+DecodeBuilder = Callable[[nn.Module, Tensor, Tensor], Runner]
 
 
 class Unsupported(Exception):
@@ -70,7 +88,7 @@ class Implementation:
 
     name: str
     scope: str
-    build: Builder
+    build: Builder | DecodeBuilder
     devices: tuple[str, ...]
     dtypes: tuple[torch.dtype, ...] | None
     default_on: tuple[str, ...]
@@ -92,6 +110,9 @@ class Implementation:
 #: Every implementation, in registration (table) order.
 IMPLEMENTATIONS: dict[str, Implementation] = {}
 
+#: Every decode-step implementation (``--decode``), in registration order.
+DECODE_IMPLEMENTATIONS: dict[str, Implementation] = {}
+
 
 def register(
     name: str,
@@ -101,17 +122,19 @@ def register(
     dtypes: tuple[torch.dtype, ...] | None = None,
     default_on: tuple[str, ...] | None = None,
     summary: str = "",
+    registry: dict[str, Implementation] | None = None,
 ) -> Callable[[Builder], Builder]:
-    """Decorator: add the builder it decorates to :data:`IMPLEMENTATIONS`.
+    """Decorator: add the builder it decorates to ``registry`` under ``name``.
 
-    The entry is stored under ``name``. Without ``summary``, the table of
-    implementations shows the first line of the builder's docstring.
+    ``registry`` is :data:`IMPLEMENTATIONS` unless another is given
+    (:data:`DECODE_IMPLEMENTATIONS` for decode steps).
     """
+    registry = IMPLEMENTATIONS if registry is None else registry
     if scope not in SCOPES:
         raise ValueError(
             f"scope must be one of {', '.join(SCOPES)}, got {scope!r}"
         )
-    if name in IMPLEMENTATIONS:
+    if name in registry:
         raise ValueError(
             f"an implementation named {name!r} is registered already"
         )
@@ -119,7 +142,7 @@ def register(
     def add(build: Builder) -> Builder:
         text = summary or (build.__doc__ or "").strip().splitlines()[0]
         on = devices if default_on is None else default_on
-        IMPLEMENTATIONS[name] = Implementation(
+        registry[name] = Implementation(
             name, scope, build, devices, dtypes, on, text
         )
         return build
@@ -146,6 +169,31 @@ def build_runner(
     return entry.build(layer, x, causal)
 
 
+def build_decode_runner(
+    impl: str, layer: nn.Module, context: Tensor, x_new: Tensor
+) -> Runner:
+    """A function of no arguments that runs one decode step of ``impl``.
+
+    ``layer``: a :class:`mha.GroupedQueryAttention`; ``context`` (B, T, D)
+    fills the cache (untimed, without autograd); the runner returns the
+    output (B, 1, D) of the new token ``x_new`` (B, 1, D), the same step each
+    call.
+
+    Raises:
+        Unsupported: ``impl`` cannot run here (the message says why).
+        ValueError: unknown ``impl``.
+    """
+    if impl not in DECODE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"impl must be one of {', '.join(DECODE_IMPLEMENTATIONS)}, "
+            f"got {impl!r}"
+        )
+    entry = DECODE_IMPLEMENTATIONS[impl]
+    entry.check_supported(x_new.device, x_new.dtype)
+    with torch.no_grad():
+        return entry.build(layer, context, x_new)
+
+
 def default_impls(device: torch.device | str) -> list[str]:
     """The implementations of a run that names none.
 
@@ -160,11 +208,14 @@ def default_impls(device: torch.device | str) -> list[str]:
     ]
 
 
-def implementation_table() -> str:
+def implementation_table(
+    registry: dict[str, Implementation] | None = None,
+) -> str:
     """Every registered implementation: name, scope, devices, what it times."""
-    width = max(len(name) for name in IMPLEMENTATIONS)
+    registry = IMPLEMENTATIONS if registry is None else registry
+    width = max(len(name) for name in registry)
     lines = [f"{'name':<{width}}  {'scope':<11} {'devices':<9} what is timed"]
-    for entry in IMPLEMENTATIONS.values():
+    for entry in registry.values():
         devices = ",".join(entry.devices)
         summary = (
             re.sub(r":\w+:`~?([^`]+)`", r"\1", entry.summary)

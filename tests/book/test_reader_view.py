@@ -94,8 +94,10 @@ MEASURE = r"""
     if (alt.length < 20 || /[\/\\]|\.(png|jpe?g|svg|gif)$/i.test(alt)) {
       problems.push(`image without a descriptive alt text: "${alt.slice(0, 60)}"`);
     }
+    // A figure sent at twice its resolution ("retina") carries its size in CSS pixels.
+    const styled = img.style.width.endsWith('px') ? parseFloat(img.style.width) : 0;
     const intended = img.getAttribute('width') ? parseFloat(img.getAttribute('width'))
-      : img.naturalWidth;
+      : styled || img.naturalWidth;
     const shown = img.getBoundingClientRect().width;
     if (intended && shown < 0.95 * intended) {
       problems.push(`image "${alt.slice(0, 40)}" shrunk to ${Math.round(100 * shown / intended)}%`

@@ -1,0 +1,781 @@
+"""Decoding: grouped-query attention, key/value caches, greedy generation.
+
+* :class:`GroupedQueryAttention`: ``H`` query heads share ``H_kv`` key/value
+  heads, ``H_kv`` dividing ``H``; ``H_kv = H`` is multi-head attention,
+  ``H_kv = 1`` multi-query attention (Shazeer 2019), anything between
+  grouped-query attention (Ainslie et al. 2023). Projections named as in
+  ``transformers``' ``LlamaAttention`` (``q_proj``, ``k_proj``, ``v_proj``,
+  ``o_proj``), so its ``state_dict`` loads with no renaming; RoPE inside.
+* :class:`KVCache`: keys and values of the tokens seen so far, preallocated
+  ``(B, H_kv, max_len, d_k)`` and written in place (as gpt-fast does);
+  :class:`ConcatKVCache` grows by concatenation instead, for comparison.
+* :func:`grouped_from_multi_head`: a trained layer's key and value heads,
+  mean-pooled per group (Ainslie et al. 2023).
+* :class:`Decoder` and :func:`generate`: a small decoder built from these
+  layers and greedy generation, with either cache or none;
+  :func:`train_decoder` and :func:`evaluate_decoder` on chapter 10's
+  induction task (:mod:`mha.tiny`), to train, convert and uptrain one.
+
+With a cache the new tokens' queries attend to every cached key and to the
+new keys up to their own position: the causal mask is aligned to the bottom
+right (:func:`mha.functional.causal_mask` with ``align="bottom-right"``).
+
+Shapes: ``B`` batch, ``T`` new tokens, ``T_k`` keys (cached + new), ``D``
+model width, ``H`` query heads, ``H_kv`` key/value heads, ``G = H / H_kv``
+query heads per key/value head, ``d_k = D / H``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._validate import (
+    check_choice,
+    check_divisible,
+    check_int,
+    check_probability,
+)
+from .functional import (
+    causal_mask,
+    grouped_query_state_dict,
+    merge_heads,
+    split_heads,
+)
+from .positions import (
+    _check_base,
+    _check_positions,
+    rope_cos_sin,
+    rotate_pairs,
+)
+
+__all__ = [
+    "grouped_attention",
+    "GroupedQueryAttention",
+    "KVCache",
+    "ConcatKVCache",
+    "grouped_from_multi_head",
+    "Decoder",
+    "generate",
+    "train_decoder",
+    "evaluate_decoder",
+]
+
+
+def grouped_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    keep: Tensor | None = None,
+    *,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """softmax(q k^T / sqrt(d_k)) v, each key/value head serving G query heads.
+
+    q (B, H, T_q, d_k); k, v (B, H_kv, T_k, d_k); ``keep`` a boolean mask
+    broadcastable to (B, H, T_q, T_k), ``True`` where a query may attend.
+    Query head ``h`` reads key/value head ``h // G`` (``transformers``'
+    ``repeat_kv`` order), without copying the keys and values G times.
+    A query with no key to attend gets zeros. Returns (B, H, T_q, d_k).
+    """
+    H_kv, G = k.shape[1], q.shape[1] // k.shape[1]
+    q = q.unflatten(1, (H_kv, G))  # (B, H_kv, G, T_q, d_k)
+    scores = torch.einsum("bkgqd,bksd->bkgqs", q, k) / math.sqrt(q.shape[-1])
+    if keep is not None:  # scores: (B, H_kv, G, T_q, T_k)
+        scores = scores.masked_fill(~_grouped(keep, H_kv, G), -math.inf)
+    weights = torch.softmax(scores, dim=-1)  # (B, H_kv, G, T_q, T_k)
+    if keep is not None:  # a row without keys is 0/0: make it zeros
+        weights = weights.nan_to_num(0.0)
+    weights = F.dropout(weights, p=dropout_p)
+    heads = torch.einsum("bkgqs,bksd->bkgqd", weights, v)
+    return heads.flatten(1, 2)  # (B, H, T_q, d_k)
+
+
+class GroupedQueryAttention(nn.Module):
+    """Grouped-query self-attention, rotary positions, an optional cache.
+
+    Args:
+        embed_dim: D. num_heads: H query heads, ``d_k = D / H``.
+        num_kv_heads: H_kv key/value heads, dividing H (H: MHA, 1: MQA).
+        bias: biases on the four projections (Llama has none).
+        rope_base: RoPE's base (10000 in Llama 2), or None for no rotary
+            positions (positions then come from the input, if at all).
+        dropout: probability of dropping an attention weight in training.
+        device, dtype: of the parameters.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        rope_base: float | None = 10000.0,
+        dropout: float = 0.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.embed_dim = check_int("embed_dim", embed_dim)
+        self.num_heads = check_int("num_heads", num_heads)
+        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
+        self.head_dim = check_divisible(
+            "embed_dim", embed_dim, "num_heads", num_heads
+        )
+        check_divisible("num_heads", num_heads, "num_kv_heads", num_kv_heads)
+        self.rope_base = None if rope_base is None else _check_base(rope_base)
+        if self.rope_base is not None and self.head_dim % 2:
+            raise ValueError(
+                "RoPE needs an even head width d_k = embed_dim / num_heads "
+                f"(dimension i turns with i + d_k/2), got d_k = "
+                f"{embed_dim} / {num_heads} = {self.head_dim}"
+            )
+        self.dropout = check_probability("dropout", dropout)
+        kv_dim = self.num_kv_heads * self.head_dim  # H_kv d_k
+        factory = {"bias": bias, "device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(embed_dim, embed_dim, **factory)
+        self.k_proj = nn.Linear(embed_dim, kv_dim, **factory)
+        self.v_proj = nn.Linear(embed_dim, kv_dim, **factory)
+        self.o_proj = nn.Linear(embed_dim, embed_dim, **factory)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        positions: Tensor | None = None,
+        cache: KVCache | ConcatKVCache | None = None,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = True,
+    ) -> Tensor:
+        """x (B, T, D) -> (B, T, D), attending to the cache (if any) and x.
+
+        ``positions`` (T,) or (B, T) ints, for RoPE: by default ``len(cache)``
+        onwards (0 without a cache); with a cache they must be those.
+        ``attn_mask``: boolean, broadcastable to (B, H, T, T_k), ``True`` =
+        may attend; combined with the causal mask when ``is_causal``.
+        """
+        positions = self._check_forward(x, positions, cache, attn_mask)
+        d_k = self.head_dim
+        q = split_heads(self.q_proj(x), d_k)  # (B, H, T, d_k)
+        k = split_heads(self.k_proj(x), d_k)  # (B, H_kv, T, d_k)
+        v = split_heads(self.v_proj(x), d_k)  # (B, H_kv, T, d_k)
+        if self.rope_base is not None:  # turn q and k by their positions
+            cos, sin = rope_cos_sin(positions, d_k, self.rope_base, q.dtype)
+            q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
+        if cache is not None:  # cached keys and values, then the new ones
+            k, v = cache.update(k, v)  # (B, H_kv, T_k, d_k)
+        keep, causal = _mask(
+            attn_mask, is_causal, q.shape[2], k.shape[2], x.device
+        )
+        heads = F.scaled_dot_product_attention(  # grouped_attention, fused
+            q,
+            k,
+            v,
+            attn_mask=keep,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=causal,
+            enable_gqa=True,  # query head h reads key/value head h // G
+        )  # (B, H, T, d_k)
+        return self.o_proj(merge_heads(heads))  # (B, T, D)
+
+    def _check_forward(
+        self,
+        x: Tensor,
+        positions: Tensor | None,
+        cache: KVCache | ConcatKVCache | None,
+        attn_mask: Tensor | None,
+    ) -> Tensor | None:
+        """Check every input before anything is computed; return positions."""
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            got = x.dtype if isinstance(x, Tensor) else type(x).__name__
+            raise TypeError(f"x must be a floating-point tensor, got {got}")
+        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            raise ValueError(
+                f"x must have shape (B, T, D) with D = {self.embed_dim}, "
+                f"got shape {tuple(x.shape)}"
+            )
+        B, T, _ = x.shape
+        start = 0
+        if cache is not None:
+            cache.check_update(
+                B, self.num_kv_heads, T, self.head_dim, x.dtype, x.device
+            )
+            start = len(cache)
+        if positions is not None:
+            if self.rope_base is None:
+                raise ValueError(
+                    "positions were given, but the layer has no rotary "
+                    "positions (rope_base=None)"
+                )
+            _check_positions(positions)
+            if tuple(positions.shape) not in ((T,), (B, T)):
+                raise ValueError(
+                    f"positions must have shape (T,) = ({T},) or (B, T) = "
+                    f"({B}, {T}), got shape {tuple(positions.shape)}"
+                )
+            expected = torch.arange(start, start + T, device=positions.device)
+            if cache is not None and not bool((positions == expected).all()):
+                raise ValueError(
+                    f"positions must continue the cache: {start} .. "
+                    f"{start + T - 1} (len(cache) = {start}), got "
+                    f"{_value_range(positions)}"
+                )
+        elif self.rope_base is not None:
+            positions = torch.arange(start, start + T, device=x.device)
+        if attn_mask is not None:
+            _check_attn_mask(attn_mask, B, self.num_heads, T, start + T)
+        return positions
+
+
+def _mask(
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    t_q: int,
+    t_k: int,
+    device: torch.device,
+) -> tuple[Tensor | None, bool]:
+    """The boolean mask (True = may attend) and SDPA's ``is_causal`` flag.
+
+    Causal is aligned bottom-right: the T_q new queries are the last T_q of
+    the T_k positions. SDPA's own flag is top-left, the same only when T_q =
+    T_k; a single new query sees every key and needs no mask at all.
+    """
+    if not is_causal or t_q == 1:
+        return attn_mask, False
+    if t_q == t_k and attn_mask is None:
+        return None, True
+    causal = causal_mask(t_q, t_k, align="bottom-right", device=device)
+    return (causal if attn_mask is None else attn_mask & causal), False
+
+
+def _grouped(keep: Tensor, num_kv_heads: int, group: int) -> Tensor:
+    """A mask broadcastable to (B, H, T_q, T_k) -> (B or 1, H_kv, G, ...)."""
+    keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
+    if keep.shape[1] == 1:  # the same for every head
+        return keep.unsqueeze(2)  # (B or 1, 1, 1, T_q or 1, T_k)
+    return keep.unflatten(1, (num_kv_heads, group))  # (., H_kv, G, ., T_k)
+
+
+def _check_attn_mask(
+    attn_mask: Tensor, B: int, H: int, t_q: int, t_k: int
+) -> None:
+    if not isinstance(attn_mask, Tensor) or attn_mask.dtype != torch.bool:
+        got = (
+            attn_mask.dtype
+            if isinstance(attn_mask, Tensor)
+            else type(attn_mask).__name__
+        )
+        raise TypeError(
+            f"attn_mask must be a bool tensor (True = may attend), got {got}"
+        )
+    full = (B, H, t_q, t_k)
+    shape = tuple(attn_mask.shape)
+    fits = 2 <= len(shape) <= 4 and all(
+        size in (1, want) for size, want in zip(shape[::-1], full[::-1])
+    )
+    if not fits:
+        raise ValueError(
+            "attn_mask must be broadcastable to (B, H, T, T_k) = "
+            f"{full}, with T_k = len(cache) + T, got shape {shape}"
+        )
+
+
+def _value_range(positions: Tensor) -> str:
+    if positions.numel() == 0:
+        return "no positions"
+    return f"values {int(positions.min())} .. {int(positions.max())}"
+
+
+# ---------------------------------------------------------------------------
+# Key/value caches
+
+
+class KVCache:
+    """Keys and values of the tokens so far, preallocated and written in place.
+
+    ``keys`` and ``values`` are (B, H_kv, max_len, d_k) tensors, allocated
+    once; :meth:`update` writes the new tokens' keys and values into the next
+    free positions and returns views of everything written so far. The cost
+    of a step does not depend on how much was cached before (gpt-fast's
+    ``KVCache``; its ``update`` is given the positions, this one keeps count).
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        _check_cache_args(batch, num_kv_heads, head_dim, dtype)
+        self.max_len = check_int("max_len", max_len)
+        self.batch, self.num_kv_heads, self.head_dim = (
+            batch,
+            num_kv_heads,
+            head_dim,
+        )
+        shape = (batch, num_kv_heads, max_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.dtype, self.device = dtype, self.keys.device
+        self._length = 0
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, H_kv, T, d_k) after the cached ones; return all."""
+        self.check_update(*_update_shape(k, v), k.dtype, k.device, v=v)
+        start, end = self._length, self._length + k.shape[2]
+        self.keys[:, :, start:end] = k  # in place: nothing is copied again
+        self.values[:, :, start:end] = v
+        self._length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def __len__(self) -> int:
+        return self._length
+
+    def reset(self) -> None:
+        """Forget every cached token (the memory stays allocated)."""
+        self._length = 0
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` cached tokens and forget the rest."""
+        self._length = _check_truncate(length, self._length)
+
+    def check_update(
+        self,
+        batch: int,
+        num_kv_heads: int,
+        new_tokens: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        v: Tensor | None = None,
+    ) -> None:
+        """Raise ValueError/TypeError if such an update cannot be written."""
+        _check_update(self, batch, num_kv_heads, new_tokens, head_dim)
+        _check_dtype_device(self, dtype, device, v)
+
+
+class ConcatKVCache:
+    """Keys and values of the tokens so far, grown by concatenation.
+
+    Every :meth:`update` builds new (B, H_kv, T_k, d_k) tensors from the old
+    ones and the new tokens' (``torch.cat``): step t copies all t cached
+    positions again. Same interface as :class:`KVCache`; ``max_len`` is
+    optional.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        max_len: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        _check_cache_args(batch, num_kv_heads, head_dim, dtype)
+        self.max_len = (
+            None if max_len is None else check_int("max_len", max_len)
+        )
+        self.batch, self.num_kv_heads, self.head_dim = (
+            batch,
+            num_kv_heads,
+            head_dim,
+        )
+        empty = (batch, num_kv_heads, 0, head_dim)
+        self.keys = torch.zeros(empty, dtype=dtype, device=device)
+        self.values = torch.zeros(empty, dtype=dtype, device=device)
+        self.dtype, self.device = dtype, self.keys.device
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append k, v (B, H_kv, T, d_k) to the cached ones; return all."""
+        self.check_update(*_update_shape(k, v), k.dtype, k.device, v=v)
+        self.keys = torch.cat((self.keys, k), dim=2)  # a new tensor, each step
+        self.values = torch.cat((self.values, v), dim=2)
+        return self.keys, self.values
+
+    def __len__(self) -> int:
+        return self.keys.shape[2]
+
+    def reset(self) -> None:
+        """Forget every cached token."""
+        self.truncate(0)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` cached tokens and forget the rest."""
+        length = _check_truncate(length, len(self))
+        self.keys = self.keys[:, :, :length]
+        self.values = self.values[:, :, :length]
+
+    check_update = KVCache.check_update
+
+
+def _check_cache_args(
+    batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    check_int("batch", batch)
+    check_int("num_kv_heads", num_kv_heads)
+    check_int("head_dim", head_dim)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+
+
+def _update_shape(k: Tensor, v: Tensor) -> tuple[int, int, int, int]:
+    """(B, H_kv, T, d_k) of the new keys, after checking k and v."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(
+                f"{name} must be a torch.Tensor, got {type(t).__name__}"
+            )
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have shape (B, H_kv, T, d_k), got shape "
+                f"{tuple(t.shape)}"
+            )
+    if k.shape != v.shape:
+        raise ValueError(
+            "k and v must have the same shape (B, H_kv, T, d_k), got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    return tuple(k.shape)
+
+
+def _check_update(
+    cache: KVCache | ConcatKVCache,
+    batch: int,
+    num_kv_heads: int,
+    new_tokens: int,
+    head_dim: int,
+) -> None:
+    expected = (cache.batch, cache.num_kv_heads, cache.head_dim)
+    if (batch, num_kv_heads, head_dim) != expected:
+        raise ValueError(
+            "the new keys and values must have (B, H_kv, d_k) = "
+            f"{expected}, the cache's, got {(batch, num_kv_heads, head_dim)}"
+        )
+    if cache.max_len is not None and len(cache) + new_tokens > cache.max_len:
+        raise ValueError(
+            f"the cache has room for max_len = {cache.max_len} tokens and "
+            f"holds {len(cache)}: {new_tokens} new tokens do not fit"
+        )
+
+
+def _check_dtype_device(
+    cache: KVCache | ConcatKVCache,
+    dtype: torch.dtype,
+    device: torch.device,
+    v: Tensor | None,
+) -> None:
+    if dtype != cache.dtype or (v is not None and v.dtype != cache.dtype):
+        got = dtype if v is None or v.dtype == dtype else (dtype, v.dtype)
+        raise TypeError(
+            f"the new keys and values must have the cache's dtype "
+            f"{cache.dtype}, got {got}"
+        )
+    if torch.device(device) != cache.device or (
+        v is not None and v.device != cache.device
+    ):
+        raise ValueError(
+            f"the new keys and values must be on the cache's device "
+            f"{cache.device}, got {device}"
+        )
+
+
+def _check_truncate(length: int, current: int) -> int:
+    length = check_int("length", length, minimum=0)
+    if length > current:
+        raise ValueError(
+            f"length must be at most len(cache) = {current}, got {length}"
+        )
+    return length
+
+
+# ---------------------------------------------------------------------------
+# From multi-head to grouped-query attention
+
+
+def grouped_from_multi_head(
+    layer: nn.Module, num_kv_heads: int
+) -> GroupedQueryAttention:
+    """A layer with ``num_kv_heads`` key/value heads, each the mean of a group.
+
+    Ainslie et al. (2023): the key and value heads of ``layer`` are averaged
+    in consecutive groups of ``H_kv(layer) / num_kv_heads``; the query and
+    output projections are copied. ``layer``: a
+    :class:`GroupedQueryAttention`, or a :class:`mha.MultiHeadAttention` /
+    ``torch.nn.MultiheadAttention`` (then without rotary positions).
+    """
+    state, rope_base = _projections(layer)
+    new = GroupedQueryAttention(
+        layer.embed_dim,
+        layer.num_heads,
+        _check_pooling(state, layer, num_kv_heads),
+        bias="q_proj.bias" in state,
+        rope_base=rope_base,
+        device=state["q_proj.weight"].device,
+        dtype=state["q_proj.weight"].dtype,
+    )
+    for name, weight in state.items():
+        if name.startswith(("k_proj", "v_proj")):  # (H_kv(layer) d_k, ...)
+            heads = weight.unflatten(0, (num_kv_heads, -1, new.head_dim))
+            state[name] = heads.mean(dim=1).flatten(0, 1)  # (H_kv d_k, ...)
+    new.load_state_dict(state)
+    return new
+
+
+def _projections(layer: nn.Module) -> tuple[dict[str, Tensor], float | None]:
+    """The layer's weights (copies) under LlamaAttention's names; RoPE base."""
+    if isinstance(layer, GroupedQueryAttention):
+        state = {k: t.detach().clone() for k, t in layer.state_dict().items()}
+        return state, layer.rope_base
+    if hasattr(layer, "in_proj_weight") and hasattr(layer, "out_proj"):
+        return grouped_query_state_dict(layer), None
+    raise TypeError(
+        "layer must be a GroupedQueryAttention, mha.MultiHeadAttention or "
+        f"torch.nn.MultiheadAttention, got {type(layer).__name__}"
+    )
+
+
+def _check_pooling(
+    state: dict[str, Tensor], layer: nn.Module, num_kv_heads: int
+) -> int:
+    check_int("num_kv_heads", num_kv_heads)
+    head_dim = layer.embed_dim // layer.num_heads
+    old = state["k_proj.weight"].shape[0] // head_dim  # H_kv of the layer
+    if old % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads ({num_kv_heads}) must divide the layer's number "
+            f"of key/value heads ({old}): heads are pooled in whole groups"
+        )
+    return num_kv_heads
+
+
+# ---------------------------------------------------------------------------
+# A small decoder and greedy generation
+
+
+class Decoder(nn.Module):
+    """Token embeddings, pre-norm blocks (attention, MLP), an output head.
+
+    Each block is ``x = x + attn(norm(x))`` with a
+    :class:`GroupedQueryAttention` (RoPE inside, no biases), then ``x = x +
+    mlp(norm(x))``; ``logits = head(norm(x))``. Positions come from RoPE only.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int = 64,
+        num_heads: int = 8,
+        num_kv_heads: int | None = None,
+        num_layers: int = 2,
+        d_mlp: int = 128,
+        rope_base: float = 10000.0,
+    ) -> None:
+        super().__init__()
+        self.vocab_size = check_int("vocab_size", vocab_size)
+        self.num_layers = check_int("num_layers", num_layers)
+        kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.attn_norms = nn.ModuleList(
+            nn.LayerNorm(d_model) for _ in range(num_layers)
+        )
+        self.attns = nn.ModuleList(
+            GroupedQueryAttention(
+                d_model, num_heads, kv_heads, rope_base=rope_base
+            )
+            for _ in range(num_layers)
+        )
+        self.mlp_norms = nn.ModuleList(
+            nn.LayerNorm(d_model) for _ in range(num_layers)
+        )
+        self.mlps = nn.ModuleList(
+            nn.Sequential(
+                nn.Linear(d_model, d_mlp),
+                nn.GELU(),
+                nn.Linear(d_mlp, d_model),
+            )
+            for _ in range(num_layers)
+        )
+        self.out_norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.attns[0].num_kv_heads
+
+    def forward(
+        self,
+        tokens: Tensor,
+        *,
+        caches: list[KVCache] | list[ConcatKVCache] | None = None,
+    ) -> Tensor:
+        """Next-token logits (B, T, V) of tokens (B, T), after the caches'."""
+        _check_tokens(tokens, self.vocab_size)
+        if caches is not None and len(caches) != self.num_layers:
+            raise ValueError(
+                f"caches must hold one cache per layer ({self.num_layers}), "
+                f"got {len(caches)}"
+            )
+        x = self.embed(tokens)  # (B, T, D)
+        for i, attn in enumerate(self.attns):
+            cache = None if caches is None else caches[i]
+            x = x + attn(self.attn_norms[i](x), cache=cache)
+            x = x + self.mlps[i](self.mlp_norms[i](x))
+        return self.head(self.out_norm(x))  # (B, T, V)
+
+    def new_caches(
+        self, batch: int, max_len: int, *, kind: str = "preallocated"
+    ) -> list[KVCache] | list[ConcatKVCache]:
+        """One empty cache per layer: ``"preallocated"`` or ``"concat"``."""
+        check_choice("kind", kind, ("preallocated", "concat"))
+        attn, dtype = self.attns[0], self.head.weight.dtype
+        device = self.head.weight.device
+        sizes = (attn.num_kv_heads, attn.head_dim)
+        if kind == "preallocated":
+            return [
+                KVCache(batch, max_len, *sizes, dtype=dtype, device=device)
+                for _ in self.attns
+            ]
+        return [
+            ConcatKVCache(
+                batch, *sizes, max_len=max_len, dtype=dtype, device=device
+            )
+            for _ in self.attns
+        ]
+
+    def grouped(self, num_kv_heads: int) -> Decoder:
+        """A copy whose attention layers have ``num_kv_heads`` key/value
+        heads, mean-pooled from this model's (:func:`grouped_from_multi_head`).
+        """
+        grouped = copy.deepcopy(self)
+        grouped.attns = nn.ModuleList(
+            grouped_from_multi_head(a, num_kv_heads) for a in self.attns
+        )
+        return grouped
+
+
+@torch.no_grad()
+def generate(
+    model: Decoder,
+    prompt: Tensor,
+    max_new_tokens: int,
+    *,
+    cache: str | None = "preallocated",
+) -> Tensor:
+    """Greedy decoding: (B, T) prompt -> (B, T + max_new_tokens) tokens.
+
+    ``cache=None`` runs the whole sequence through the model for every new
+    token; ``"preallocated"`` (:class:`KVCache`) or ``"concat"``
+    (:class:`ConcatKVCache`) runs the prompt once and then one token a step.
+    """
+    check_int("max_new_tokens", max_new_tokens, minimum=0)
+    if cache is not None:
+        check_choice("cache", cache, ("preallocated", "concat"))
+    _check_tokens(prompt, model.vocab_size)
+    tokens, new = prompt, prompt  # everything so far; the newest tokens
+    caches = None
+    if cache is not None:
+        total = prompt.shape[1] + max_new_tokens
+        caches = model.new_caches(prompt.shape[0], total, kind=cache)
+    for _ in range(max_new_tokens):
+        seen = tokens if caches is None else new  # all so far, or the new one
+        logits = model(seen, caches=caches)  # (B, T or 1, V)
+        next_token = logits[:, -1].argmax(dim=-1, keepdim=True)  # (B, 1)
+        tokens = torch.cat((tokens, next_token), dim=1)
+        new = next_token
+    return tokens
+
+
+def _check_tokens(tokens: object, vocab_size: int) -> None:
+    if not isinstance(tokens, Tensor) or tokens.dtype != torch.int64:
+        got = (
+            tokens.dtype
+            if isinstance(tokens, Tensor)
+            else type(tokens).__name__
+        )
+        raise TypeError(f"tokens must be an int64 tensor, got {got}")
+    if tokens.dim() != 2 or tokens.shape[1] == 0:
+        raise ValueError(
+            f"tokens must have shape (B, T) with T >= 1, got shape "
+            f"{tuple(tokens.shape)}"
+        )
+    if not (0 <= int(tokens.min()) and int(tokens.max()) < vocab_size):
+        raise ValueError(
+            f"tokens must lie in [0, vocab_size) = [0, {vocab_size}), got "
+            f"values {int(tokens.min())} .. {int(tokens.max())}"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Training and evaluation on chapter 10's induction task
+
+
+def train_decoder(
+    model: Decoder,
+    *,
+    steps: int,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    seq_len: int = 16,
+    segment_len: int = 6,
+) -> list[float]:
+    """AdamW on fresh batches of the induction task; the loss of every step.
+
+    The data and the loss (on the predictable positions only) are those of
+    :mod:`mha.tiny`; the learning rate warms up over the first 5 % of the
+    steps, then decays to zero on a cosine, as :func:`mha.tiny.train`.
+    """
+    from .tiny import make_induction_data, masked_loss_and_accuracy
+
+    check_int("steps", steps)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    warmup = max(1, steps // 20)
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    losses = []
+    model.train()
+    for _ in range(steps):
+        data = make_induction_data(
+            batch_size,
+            seq_len=seq_len,
+            vocab_size=model.vocab_size,
+            segment_len=segment_len,
+            generator=generator,
+        )
+        loss, _ = masked_loss_and_accuracy(model(data.tokens), data)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def evaluate_decoder(model: Decoder, data) -> tuple[float, float]:
+    """(loss, accuracy) of ``model`` on an :class:`mha.tiny.InductionData`,
+    on its predictable positions."""
+    from .tiny import masked_loss_and_accuracy
+
+    model.eval()
+    loss, accuracy = masked_loss_and_accuracy(model(data.tokens), data)
+    return loss.item(), accuracy.item()

@@ -1,0 +1,110 @@
+"""GPU kernels written in Triton, runnable on a CPU by Triton's interpreter.
+
+:func:`triton_attention` is the tiled attention of :mod:`mha.flash` as one
+Triton kernel (and two more for its backward pass). Importing this package
+never fails: not where Triton is missing, not where there is no GPU.
+
+Compiled or interpreted? Triton decides when ``@triton.jit`` decorates a
+kernel, which happens when :mod:`mha.kernels.attention` is first imported:
+with the environment variable ``TRITON_INTERPRET=1`` the kernels run in
+Triton's interpreter, a NumPy emulation that takes CPU tensors; otherwise they
+are compiled for the GPU. This package makes that choice before it imports the
+kernels: if ``TRITON_INTERPRET`` is not set and ``torch.cuda.is_available()``
+is False, it sets ``TRITON_INTERPRET=1`` (for this process and its children).
+To run the interpreter on a machine with a GPU, set ``TRITON_INTERPRET=1``
+before the first import of ``mha.kernels``; :data:`INTERPRETED` says which
+mode was chosen.
+
+The interpreter runs the kernel's exact code, one program after the other,
+so it checks correctness, never speed. Its bfloat16 ``tl.dot`` is wrong
+(Triton issues #11584 and #4972), so bfloat16 is refused there and tested on
+a GPU only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+__all__ = [
+    "HEAD_DIMS",
+    "TRITON_AVAILABLE",
+    "INTERPRETED",
+    "triton_attention",
+]
+
+#: The head sizes d_k the attention kernel is built for.
+HEAD_DIMS = (16, 32, 64, 128)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _triton_importable() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # e.g. sys.modules["triton"] is None
+        return False
+
+
+# Decided before mha.kernels.attention decorates its kernels. (Were triton
+# imported already, by torch for instance, its own jitted helpers stay
+# compiled; the kernels here do not call them.)
+if (
+    "TRITON_INTERPRET" not in os.environ
+    and _triton_importable()
+    and not _cuda_available()
+):
+    os.environ["TRITON_INTERPRET"] = "1"
+
+try:
+    import triton
+except ImportError as error:  # not installed, or not for this platform
+    triton = None
+    _MISSING = f"{type(error).__name__}: {error}"
+
+#: Whether the ``triton`` package could be imported here.
+TRITON_AVAILABLE = triton is not None
+
+#: True when the kernels run in Triton's CPU interpreter, False when they
+#: are compiled for the GPU, None without Triton.
+INTERPRETED: bool | None = (
+    bool(triton.knobs.runtime.interpret) if TRITON_AVAILABLE else None
+)
+
+
+def triton_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> Tensor:
+    """softmax(q k^T * scale) v for (B, H, T, d_k) tensors, by a Triton kernel.
+
+    Differentiable (the backward pass is two more kernels). See
+    :func:`mha.kernels.attention.triton_attention` for the arguments.
+
+    Raises:
+        ModuleNotFoundError: Triton cannot be imported here.
+    """
+    if not TRITON_AVAILABLE:
+        raise ModuleNotFoundError(
+            "triton_attention needs the triton package, which could not "
+            f"be imported ({_MISSING}): pip install triton==3.9.0 (Linux)"
+        )
+    from .attention import triton_attention as run
+
+    return run(
+        q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k
+    )
