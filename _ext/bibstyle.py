@@ -20,6 +20,16 @@ class AuthorYearLabels(BaseLabelStyle):
     """"Rush, 2018", "Milakov and Gimelshein, 2018", "Vaswani et al., 2017"."""
 
     def format_labels(self, sorted_entries):
+        labels = list(self._labels(sorted_entries))
+        # The same authors in the same year: 2023a, 2023b, in the list's order.
+        for label in set(labels):
+            places = [i for i, other in enumerate(labels) if other == label]
+            if len(places) > 1:
+                for letter, i in zip("abcdefghijklmnopqrstuvwxyz", places):
+                    labels[i] = f"{label}{letter}"
+        yield from labels
+
+    def _labels(self, sorted_entries):
         for entry in sorted_entries:
             people = entry.persons.get("author") or entry.persons.get("editor") or []
             names = [_surname(p).replace("{", "").replace("}", "") for p in people]

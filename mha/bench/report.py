@@ -29,6 +29,7 @@ __all__ = [
 RATIO_PAIRS: tuple[tuple[str, str], ...] = (
     ("mha_module", "sdpa_bare"),
     ("torch_mha", "mha_module"),
+    ("torch_mha_general", "mha_module"),
     ("torch_textbook", "mha_module"),
 )
 
