@@ -902,7 +902,7 @@ def plot_parallel_split(
             f"{len(q_parts)} and {len(o_parts)}"
         )
     limit = max(np.abs(w).max() for w in q_parts + o_parts)
-    fig, (ax_q, ax_o) = plt.subplots(1, 2, figsize=(7.4, 3.9))
+    fig, (ax_q, ax_o) = plt.subplots(1, 2, figsize=(MAX_WIDTH, 3.6))
     for ax, parts, axis in ((ax_q, q_parts, 1), (ax_o, o_parts, 0)):
         offset = 0.0
         for rank, part in enumerate(parts):

@@ -91,7 +91,8 @@ MEASURE = r"""
   }
   for (const img of article.querySelectorAll('img')) {
     const alt = (img.getAttribute('alt') || '').trim();
-    if (alt.length < 20 || /[\/\\]|\.(png|jpe?g|svg|gif)$/i.test(alt)) {
+    // A file name or path (MyST-NB's default alt text) is no description.
+    if (alt.length < 20 || !/\s/.test(alt) || /_images\/|\.(png|jpe?g|svg|gif)$/i.test(alt)) {
       problems.push(`image without a descriptive alt text: "${alt.slice(0, 60)}"`);
     }
     // A figure sent at twice its resolution ("retina") carries its size in CSS pixels.
