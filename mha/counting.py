@@ -666,22 +666,18 @@ class DecoderKVConfig:
 
     def kv_cache_bytes_per_token(self) -> int:
         """Bytes per token: 2 L H_kv d_k elements (keys, values, layers)."""
-        return kv_cache_bytes(
-            1,
-            1,
-            self.num_layers,
-            self.num_kv_heads,
-            self.head_dim,
-            self.bytes_per_element,
-        )
+        return self._bytes_per_token(self.num_kv_heads)
 
     def mha_kv_cache_bytes_per_token(self) -> int:
         """The same model with one key/value head per query head (H_kv = H)."""
+        return self._bytes_per_token(self.num_heads)
+
+    def _bytes_per_token(self, kv_heads: int) -> int:
         return kv_cache_bytes(
             1,
             1,
             self.num_layers,
-            self.num_heads,
+            kv_heads,
             self.head_dim,
             self.bytes_per_element,
         )

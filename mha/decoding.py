@@ -736,20 +736,16 @@ def train_decoder(
     :mod:`mha.tiny`; the learning rate warms up over the first 5 % of the
     steps, then decays to zero on a cosine, as :func:`mha.tiny.train`.
     """
-    from .tiny import make_induction_data, masked_loss_and_accuracy
+    from .tiny import (
+        make_induction_data,
+        masked_loss_and_accuracy,
+        warmup_cosine,
+    )
 
     check_int("steps", steps)
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    warmup = max(1, steps // 20)
-
-    def schedule(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return 0.5 * (1 + math.cos(math.pi * progress))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scheduler = warmup_cosine(optimizer, steps)
     losses = []
     model.train()
     for _ in range(steps):

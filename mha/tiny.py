@@ -34,6 +34,7 @@ __all__ = [
     "evaluate",
     "head_mask_without",
     "train",
+    "warmup_cosine",
     "head_scores",
     "head_importance",
     "head_value_norms",
@@ -319,6 +320,21 @@ def head_mask_without(
     return mask
 
 
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over the first 5% of ``steps``, then cosine decay."""
+    warmup = max(1, steps // 20)
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
 def train(
     model: TinyTransformer,
     *,
@@ -338,16 +354,7 @@ def train(
     """
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    # Linear warm-up over the first 5% of steps, then cosine decay to zero.
-    warmup = max(1, steps // 20)
-
-    def schedule(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scheduler = warmup_cosine(optimizer, steps)
     losses: list[float] = []
     model.train()
     for step in range(steps):

@@ -34,6 +34,7 @@ from .registry import (
     Unsupported,
     build_decode_runner,
 )
+from .report import paired_ratio
 from .timing import probe, time_interleaved
 
 __all__ = [
@@ -282,16 +283,6 @@ def _row(report: dict[str, Any], impl: str, h_kv: int, batch: int, t: int):
     return None
 
 
-def _paired(a: dict[str, Any] | None, b: dict[str, Any] | None):
-    """Median of the per-round ratios a/b (calls of the same round)."""
-    if a is None or b is None:
-        return None
-    times_a, times_b = a.get("times_s"), b.get("times_s")
-    if times_a and times_b and len(times_a) == len(times_b):
-        return statistics.median(x / y for x, y in zip(times_a, times_b))
-    return a["median_s"] / b["median_s"]
-
-
 def decode_ratios(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Per (B, T, H_kv): ours against transformers, caches against none,
     and, per (B, T), GQA and MQA against MHA (preallocated caches)."""
@@ -314,18 +305,22 @@ def decode_ratios(report: dict[str, Any]) -> list[dict[str, Any]]:
                         "batch": batch,
                         "context": t,
                         "num_kv_heads": h,
-                        "ours/hf_dynamic": _paired(
+                        "ours/hf_dynamic": paired_ratio(
                             ours[h], get("hf_dynamic_cache")
                         ),
-                        "ours/hf_static": _paired(
+                        "ours/hf_static": paired_ratio(
                             ours[h], get("hf_static_cache")
                         ),
-                        "concat/hf_dynamic": _paired(
+                        "concat/hf_dynamic": paired_ratio(
                             get("concat_cache"), get("hf_dynamic_cache")
                         ),
-                        "no_cache/ours": _paired(get("no_cache"), ours[h]),
-                        "concat/ours": _paired(get("concat_cache"), ours[h]),
-                        "ours/MHA": _paired(ours[h], ours.get(heads)),
+                        "no_cache/ours": paired_ratio(
+                            get("no_cache"), ours[h]
+                        ),
+                        "concat/ours": paired_ratio(
+                            get("concat_cache"), ours[h]
+                        ),
+                        "ours/MHA": paired_ratio(ours[h], ours.get(heads)),
                     }
                 )
     return rows

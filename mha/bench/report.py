@@ -75,6 +75,15 @@ def _time_ratio(
     See :func:`ratios`.
     """
     a, b = _row(report, numerator, seq_len), _row(report, denominator, seq_len)
+    return paired_ratio(a, b)
+
+
+def paired_ratio(a: dict[str, Any] | None, b: dict[str, Any] | None):
+    """Median of the per-round ratios of two rows' times (calls of one round).
+
+    Rows without paired ``times_s`` give the ratio of their medians; a
+    missing row gives None.
+    """
     if a is None or b is None:
         return None
     times_a, times_b = a.get("times_s"), b.get("times_s")
