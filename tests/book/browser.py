@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -104,12 +105,14 @@ class Page:
 @contextmanager
 def browser(executable: str) -> Iterator[Page]:
     """Start headless Chromium and yield one :class:`Page`; the browser is killed on exit."""
-    with tempfile.TemporaryDirectory() as profile:
+    # Chromium's helper processes may still write to the profile as it closes.
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         process = subprocess.Popen(
             [executable, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            start_new_session=True,  # its own process group, ended as a whole
         )
         page = None
         try:
@@ -124,7 +127,10 @@ def browser(executable: str) -> Iterator[Page]:
         finally:
             if page is not None:
                 page.close()
-            process.kill()
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             process.wait(timeout=30)
 
 
