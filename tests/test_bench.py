@@ -621,3 +621,32 @@ def test_decode_bad_arguments() -> None:
         bench.register("no_cache", scope="decode", registry=bench.DECODE_IMPLEMENTATIONS)(
             lambda layer, context, x_new: None
         )
+
+
+def test_git_dirty_counts_code_changes_not_benchmark_results(tmp_path):
+    """Replacing committed results (as the reproduction recipe does) is
+    not a change of the code that measured them; editing code is."""
+    from mha.bench.environment import _git_commit
+
+    def git(*args):
+        subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=tmp_path,
+            check=True,
+            capture_output=True,
+        )
+
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "cpu_2000-01-01.json").write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "start")
+    commit, dirty = _git_commit(tmp_path)
+    assert len(commit) == 40 and dirty is False
+
+    git("rm", "-q", "benchmarks/cpu_2000-01-01.json")
+    assert _git_commit(tmp_path) == (commit, False)
+
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert _git_commit(tmp_path) == (commit, True)

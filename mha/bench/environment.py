@@ -29,12 +29,17 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def _git_commit() -> tuple[str | None, bool | None]:
-    """(commit, dirty) of the repository holding this file, if any.
+def _git_commit(
+    root: Path | None = None,
+) -> tuple[str | None, bool | None]:
+    """(commit, dirty) of the repository holding this package, if any.
 
-    ``dirty`` is True if tracked files differ from the commit.
+    ``dirty`` is True if tracked files other than the results under
+    ``benchmarks/`` differ from the commit: replacing old results is not
+    a change of the code that measures them.
     """
-    root = Path(__file__).resolve().parent.parent
+    if root is None:
+        root = Path(__file__).resolve().parent.parent
 
     def git(*args: str) -> str:
         return subprocess.run(
@@ -48,7 +53,17 @@ def _git_commit() -> tuple[str | None, bool | None]:
 
     try:
         commit = git("rev-parse", "HEAD")
-        status = git("status", "--porcelain", "--untracked-files=no")
+        top = git("rev-parse", "--show-toplevel")
+        status = git(
+            "-C",
+            top,
+            "status",
+            "--porcelain",
+            "--untracked-files=no",
+            "--",
+            ".",
+            ":(exclude)benchmarks",
+        )
         return commit or None, bool(status)
     except (OSError, subprocess.SubprocessError):
         return None, None
