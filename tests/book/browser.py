@@ -22,7 +22,8 @@ from typing import Any
 
 import websocket
 
-FLAGS = [
+#: Headless, offline, no first-run work: every launch of the book's checks.
+HEADLESS_FLAGS = [
     "--headless",
     "--no-sandbox",
     "--disable-gpu",
@@ -31,6 +32,11 @@ FLAGS = [
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
+]
+
+#: The driven browser: DevTools on a loopback port of Chromium's choosing.
+FLAGS = [
+    *HEADLESS_FLAGS,
     "--hide-scrollbars",
     "--remote-debugging-address=127.0.0.1",
     "--remote-debugging-port=0",
@@ -43,6 +49,22 @@ def find_chromium() -> str | None:
         if path:
             return path
     return None
+
+
+def require_chromium() -> str:
+    """Chromium's path; skip the test without it, or fail where CI or
+    ``MHA_REQUIRE_CHROMIUM`` says it must run."""
+    import pytest
+
+    executable = find_chromium()
+    if executable is None:
+        reason = (
+            "headless Chromium is not installed (Debian package `chromium`; .ci/run installs it)"
+        )
+        if os.environ.get("MHA_REQUIRE_CHROMIUM") or os.environ.get("CI"):
+            pytest.fail(reason + ", and this run requires it")
+        pytest.skip(reason)
+    return executable
 
 
 class Page:

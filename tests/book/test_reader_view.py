@@ -9,12 +9,11 @@ the page itself never scrolls sideways.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import yaml
-from browser import browser, find_chromium
+from browser import browser, require_chromium
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -159,15 +158,7 @@ PAGES = _pages()
 
 @pytest.fixture(scope="module")
 def page():
-    executable = find_chromium()
-    if executable is None:
-        reason = (
-            "headless Chromium is not installed (Debian package `chromium`; .ci/run installs it)"
-        )
-        if os.environ.get("MHA_REQUIRE_CHROMIUM") or os.environ.get("CI"):
-            pytest.fail(reason + ", and this run requires it")
-        pytest.skip(reason)
-    with browser(executable) as tab:
+    with browser(require_chromium()) as tab:
         yield tab
 
 

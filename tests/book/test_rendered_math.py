@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import tempfile
 
 import pytest
+from browser import HEADLESS_FLAGS, require_chromium
 
 PAGES = [
     "chapters/01_single_head.html",
@@ -16,30 +15,12 @@ PAGES = [
 ]
 
 
-def _chromium() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    reason = "headless Chromium is not installed (Debian package `chromium`; .ci/run installs it)"
-    if os.environ.get("MHA_REQUIRE_CHROMIUM") or os.environ.get("CI"):
-        pytest.fail(reason + ", and this run requires it")
-    pytest.skip(reason)
-
-
 def _dump_dom(browser: str, url: str) -> str:
     with tempfile.TemporaryDirectory() as profile:
         result = subprocess.run(
             [
                 browser,
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-quic",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
+                *HEADLESS_FLAGS,
                 f"--user-data-dir={profile}",
                 "--virtual-time-budget=15000",
                 "--dump-dom",
@@ -55,7 +36,7 @@ def _dump_dom(browser: str, url: str) -> str:
 
 @pytest.mark.parametrize("page", PAGES)
 def test_math_is_typeset(html_dir, page):
-    browser = _chromium()
+    browser = require_chromium()
     path = html_dir / page
     assert path.exists(), f"{page} was not built"
     dom = _dump_dom(browser, path.as_uri())
