@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .config import DTYPES
@@ -242,14 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ValueError as error:
         parser.error(str(error))
-    report["environment"]["command"] = "python -m mha.bench " + " ".join(
-        sys.argv[1:] if argv is None else list(argv)
-    )
-    print(format_table(report))
-    for output in args.output:
-        written = write_results(report, output)
-        _log(f"wrote {written}", args.quiet)
-    return 0
+    return _report(report, format_table, args, argv)
 
 
 def _decode(
@@ -288,10 +281,20 @@ def _decode(
         )
     except ValueError as error:
         parser.error(str(error))
+    return _report(report, format_decode_table, args, argv)
+
+
+def _report(
+    report: dict,
+    table: Callable[[dict], str],
+    args: argparse.Namespace,
+    argv: Sequence[str] | None,
+) -> int:
+    """Record the command line, print the table, write the files."""
     report["environment"]["command"] = "python -m mha.bench " + " ".join(
         sys.argv[1:] if argv is None else list(argv)
     )
-    print(format_decode_table(report))
+    print(table(report))
     for output in args.output:
         written = write_results(report, output)
         _log(f"wrote {written}", args.quiet)
