@@ -1,23 +1,24 @@
 """mha: multi-head attention from one head to the GPU.
 
-The package behind the book. Each module has one purpose; the chapters that
-read it and the tests that pin it are listed with it (README.md has the table):
+The package behind the book. Each module has one purpose; README.md's table of
+rooms lists every module with the chapters that import it and the tests that
+pin it (``tests/test_rooms.py`` keeps the table true):
 
-* :mod:`mha.reference` - the math, in NumPy (chapters 01-07; test_reference)
-* :mod:`mha._validate` - the one error policy (all; every error test)
-* :mod:`mha.functional` - torch building blocks (08, 09; test_functional)
-* :mod:`mha.worked_example` - the 2-head worked example (04)
-* :mod:`mha.fitting` - heads fitted to patterns (02; test_fitting)
-* :mod:`mha.counting` - every count, real configurations (06, 09, 12, 13)
-* :mod:`mha.module` - MultiHeadAttention, torch's layer (08-10; test_module_*)
-* :mod:`mha.plotting` - maps, grids, benchmark plots (all)
-* :mod:`mha.bench` - ``python -m mha.bench`` (09, 12, 13; test_bench)
-* :mod:`mha.tiny` - the tiny induction model (10; test_tiny)
-* :mod:`mha.positions` - sinusoidal, learned, rotary (11, 12; test_positions)
-* :mod:`mha.decoding` - GQA, key/value caches, generation (12; test_decoding)
-* :mod:`mha.flash` - tiled online-softmax attention (13; test_flash)
-* :mod:`mha.kernels` - Triton attention kernels (13; test_kernels)
-* :mod:`mha.parallel` - heads across processes (14; test_parallel)
+* :mod:`mha.reference` - the math, in NumPy
+* :mod:`mha._validate` - the one error policy and the shared checks
+* :mod:`mha.functional` - torch building blocks
+* :mod:`mha.worked_example` - the 2-head worked example
+* :mod:`mha.fitting` - heads fitted to patterns
+* :mod:`mha.counting` - every count, real configurations
+* :mod:`mha.module` - MultiHeadAttention, torch's layer
+* :mod:`mha.plotting` - maps, grids, benchmark plots
+* :mod:`mha.bench` - ``python -m mha.bench``
+* :mod:`mha.tiny` - the tiny induction model and the training loop
+* :mod:`mha.positions` - sinusoidal, learned, rotary
+* :mod:`mha.decoding` - GQA, key/value caches, generation
+* :mod:`mha.flash` - tiled online-softmax attention
+* :mod:`mha.kernels` - Triton attention kernels
+* :mod:`mha.parallel` - heads across processes
 
 The order inside a topic: the NumPy reference first, then the torch or fast
 version, tests that pin one to the other, a benchmark entry, the chapter.

@@ -7,18 +7,26 @@
 * Every message names the argument, what was expected and what came.
 
 Checks return the value they accept, so a caller can write
-``n = check_int("n", n)``.
+``n = check_int("n", n)``. The tensor checks import torch when first called:
+``import mha`` needs only NumPy.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
+import sys
+from typing import Any
 
 __all__ = [
     "check_int",
     "check_divisible",
     "check_probability",
+    "check_float",
+    "check_scale",
     "check_choice",
+    "check_tensor",
+    "check_same",
     "shape_text",
 ]
 
@@ -26,16 +34,22 @@ __all__ = [
 def check_int(name: str, value: object, *, minimum: int = 1) -> int:
     """``value`` as an ``int``, at least ``minimum``.
 
-    NumPy integers are accepted too, ``bool`` never.
+    NumPy integers are accepted too, ``bool`` never; so is a symbolic
+    ``torch.SymInt`` (a length while ``torch.export`` traces with dynamic
+    shapes), returned as it is.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    torch = sys.modules.get("torch")
+    symbolic = torch is not None and isinstance(value, torch.SymInt)
+    if isinstance(value, bool) or not (
+        symbolic or isinstance(value, numbers.Integral)
+    ):
         raise TypeError(
             f"{name} must be an int, got {type(value).__name__} {value!r}"
         )
     if value < minimum:
         expected = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"{name} must be {expected}, got {value}")
-    return int(value)
+    return value if symbolic else int(value)
 
 
 def check_divisible(name: str, value: int, by_name: str, by: int) -> int:
@@ -61,6 +75,29 @@ def check_probability(name: str, value: object) -> float:
     return float(value)
 
 
+def check_float(name: str, value: object, *, above: float = 0.0) -> float:
+    """A finite real number greater than ``above``: a scale, a RoPE base."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a float, got {type(value).__name__} {value!r}"
+        )
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite float, got {value}")
+    if not value > above:
+        expected = (
+            "a positive finite float" if above == 0 else f"a float > {above:g}"
+        )
+        raise ValueError(f"{name} must be {expected}, got {value}")
+    return float(value)
+
+
+def check_scale(scale: object, head_dim: int) -> float:
+    """The scores' scale: ``1 / sqrt(d_k)`` for None, else a positive float."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    return check_float("scale", scale)
+
+
 def check_choice(
     name: str, value: object, choices: tuple[object, ...]
 ) -> object:
@@ -81,3 +118,54 @@ def shape_text(expected: dict[str, tuple[int, ...]]) -> str:
     return " or ".join(
         f"{symbol} = {shape}" for symbol, shape in expected.items()
     )
+
+
+_KINDS = {"floating": "a floating-point", "integer": "an integer"}
+
+
+def check_tensor(
+    name: str,
+    value: object,
+    *,
+    kind: str | None = "floating",
+    ndim: int | None = None,
+    min_ndim: int = 0,
+    shape: str = "",
+) -> Any:
+    """A ``torch.Tensor`` of ``kind`` (floating, integer, or None: any dtype)
+    with ``ndim`` dimensions (or at least ``min_ndim``), ``shape`` in words.
+    """
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor, got {type(value).__name__}"
+        )
+    floating = value.is_floating_point()
+    integer = not (floating or value.is_complex() or value.dtype == torch.bool)
+    if (kind == "floating" and not floating) or (
+        kind == "integer" and not integer
+    ):
+        raise TypeError(
+            f"{name} must be {_KINDS[kind]} tensor, got dtype {value.dtype}"
+        )
+    if (ndim is not None and value.dim() != ndim) or value.dim() < min_ndim:
+        raise ValueError(
+            f"{name} must have shape {shape}, got shape {tuple(value.shape)}"
+        )
+    return value
+
+
+def check_same(names: str, tensors: tuple[Any, ...]) -> None:
+    """Tensors that go into one computation: one dtype, one device."""
+    dtypes = [t.dtype for t in tensors]
+    if len(set(dtypes)) > 1:
+        raise TypeError(
+            f"{names} must have one dtype, got {', '.join(map(str, dtypes))}"
+        )
+    devices = [t.device for t in tensors]
+    if len(set(devices)) > 1:
+        raise ValueError(
+            f"{names} must be on one device, got "
+            f"{', '.join(map(str, devices))}"
+        )

@@ -37,8 +37,10 @@ from torch import Tensor, nn
 from ._validate import (
     check_choice,
     check_divisible,
+    check_float,
     check_int,
     check_probability,
+    check_tensor,
 )
 from .functional import (
     causal_mask,
@@ -46,12 +48,7 @@ from .functional import (
     merge_heads,
     split_heads,
 )
-from .positions import (
-    _check_base,
-    _check_positions,
-    rope_cos_sin,
-    rotate_pairs,
-)
+from .positions import rope_cos_sin, rotate_pairs
 
 __all__ = [
     "grouped_attention",
@@ -127,7 +124,11 @@ class GroupedQueryAttention(nn.Module):
             "embed_dim", embed_dim, "num_heads", num_heads
         )
         check_divisible("num_heads", num_heads, "num_kv_heads", num_kv_heads)
-        self.rope_base = None if rope_base is None else _check_base(rope_base)
+        self.rope_base = (
+            None
+            if rope_base is None
+            else check_float("rope_base", rope_base, above=1.0)
+        )
         if self.rope_base is not None and self.head_dim % 2:
             raise ValueError(
                 "RoPE needs an even head width d_k = embed_dim / num_heads "
@@ -211,7 +212,7 @@ class GroupedQueryAttention(nn.Module):
                     "positions were given, but the layer has no rotary "
                     "positions (rope_base=None)"
                 )
-            _check_positions(positions)
+            check_tensor("positions", positions, kind="integer")
             if tuple(positions.shape) not in ((T,), (B, T)):
                 raise ValueError(
                     f"positions must have shape (T,) = ({T},) or (B, T) = "

@@ -28,7 +28,6 @@ ever empty.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Iterator
 
 import numpy as np
@@ -36,8 +35,8 @@ import torch
 from numpy.typing import ArrayLike, NDArray
 from torch import Tensor
 
-from ._validate import check_int
-from .reference import _check_attention_inputs
+from ._validate import check_int, check_same, check_scale, check_tensor
+from .reference import check_attention_inputs
 
 __all__ = [
     "DEFAULT_BLOCK",
@@ -72,6 +71,15 @@ def causal_keep(rows: slice, cols: slice) -> NDArray[np.bool_]:
     query = np.arange(rows.start, rows.stop)[:, None]
     key = np.arange(cols.start, cols.stop)[None, :]
     return key <= query
+
+
+def _causal_keep_torch(
+    rows: slice, cols: slice, device: torch.device
+) -> Tensor:
+    """:func:`causal_keep` built in torch on ``device``: no host copy."""
+    query = torch.arange(rows.start, rows.stop, device=device)[:, None]
+    key = torch.arange(cols.start, cols.stop, device=device)[None, :]
+    return key <= query  # (B_q, B_k)
 
 
 def flash_attention(
@@ -228,7 +236,7 @@ def _tiled_forward(
             scores = (q_tile @ k[..., cols, :].transpose(-1, -2)).to(acc_dtype)
             scores = scores * scale  # (..., B_q, B_k)
             if causal:
-                keep = torch.from_numpy(causal_keep(rows, cols)).to(q.device)
+                keep = _causal_keep_torch(rows, cols, q.device)
                 scores = scores.masked_fill(~keep, -math.inf)
             m_new = torch.maximum(m, scores.amax(dim=-1))
             rescale = torch.exp(m - m_new)
@@ -276,7 +284,7 @@ def _tiled_backward(
             k_tile, v_tile = k[..., cols, :], v[..., cols, :]
             scores = (q_tile @ k_tile.transpose(-1, -2)).to(acc_dtype) * scale
             if causal:
-                keep = torch.from_numpy(causal_keep(rows, cols)).to(q.device)
+                keep = _causal_keep_torch(rows, cols, q.device)
                 scores = scores.masked_fill(~keep, -math.inf)
             p = torch.exp(scores - logsumexp[..., rows, None])  # recomputed
             dv[..., cols, :] += p.transpose(-1, -2) @ do_tile.to(acc_dtype)
@@ -352,19 +360,6 @@ def _check_blocks(block_q: object, block_k: object) -> None:
     check_int("block_k", block_k)
 
 
-def _check_scale(scale: object, d_k: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(d_k)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(
-            "scale must be a float or None, got "
-            f"{type(scale).__name__} {scale!r}"
-        )
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite float, got {scale}")
-    return float(scale)
-
-
 def _check_lengths(q_shape: tuple, k_shape: tuple) -> None:
     if q_shape[-2] == 0 or k_shape[-2] == 0:
         raise ValueError(
@@ -375,10 +370,10 @@ def _check_lengths(q_shape: tuple, k_shape: tuple) -> None:
 
 def _check_numpy(q, k, v, block_q, block_k, scale):
     """Arrays of one floating dtype, broadcast to common leading axes."""
-    q, k, v, _ = _check_attention_inputs(q, k, v, None)
+    q, k, v, _ = check_attention_inputs(q, k, v, None)
     _check_blocks(block_q, block_k)
     _check_lengths(q.shape, k.shape)
-    scale = _check_scale(scale, q.shape[-1])
+    scale = check_scale(scale, q.shape[-1])
     lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     dtype = np.result_type(q, k, v)
     q, k, v = (
@@ -413,29 +408,8 @@ def _check_saved(q, v, out, logsumexp, d_out):
 
 def _check_torch(q, k, v, block_q, block_k, scale) -> float:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(
-                f"{name} must be a torch.Tensor, got {type(t).__name__}"
-            )
-        if not t.is_floating_point():
-            raise TypeError(
-                f"{name} must be a floating-point tensor, got dtype {t.dtype}"
-            )
-        if t.ndim < 2:
-            raise ValueError(
-                f"{name} must have at least 2 dimensions (..., T, d), got "
-                f"shape {tuple(t.shape)}"
-            )
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(
-            f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, "
-            f"{v.dtype}"
-        )
-    if not q.device == k.device == v.device:
-        raise ValueError(
-            f"q, k and v must be on one device, got {q.device}, {k.device}, "
-            f"{v.device}"
-        )
+        check_tensor(name, t, min_ndim=2, shape="(..., T, d)")
+    check_same("q, k and v", (q, k, v))
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise ValueError(
             "q, k, v must have shapes (..., T_q, d_k), (..., T_k, d_k), "
@@ -449,4 +423,4 @@ def _check_torch(q, k, v, block_q, block_k, scale) -> float:
         )
     _check_blocks(block_q, block_k)
     _check_lengths(q.shape, k.shape)
-    return _check_scale(scale, q.shape[-1])
+    return check_scale(scale, q.shape[-1])

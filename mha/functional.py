@@ -3,8 +3,8 @@
 * :func:`split_heads` / :func:`merge_heads`: ``(B, T, D) <-> (B, H, T, d_k)``,
   the one place the head split is written in torch (the NumPy reference has its
   own, :func:`mha.reference.split_heads`).
-* :func:`causal_mask`: top-left or bottom-right aligned, built from the
-  reference's mask.
+* :func:`causal_mask`: top-left or bottom-right aligned, the reference's
+  mask built in torch.
 * :func:`attention`: scaled dot-product attention that returns its weights.
 * :func:`reference_weights`: a torch layer's projections in the NumPy
   reference's layout.
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import reference
+from ._validate import check_choice, check_int
 
 __all__ = [
     "split_heads",
@@ -77,11 +77,16 @@ def causal_mask(
     0..i) is ``F.scaled_dot_product_attention``'s ``is_causal``;
     ``align="bottom-right"`` (query i sees keys 0..i + T_k - T_q) is what the
     newest T_q tokens need when T_k - T_q earlier tokens sit in a key/value
-    cache. It is :func:`mha.reference.causal_mask`, moved to torch: one
-    definition of the mask.
+    cache. It is :func:`mha.reference.causal_mask` written in torch, built
+    on ``device`` (no copy from the host), so that it traces under
+    ``torch.compile(fullgraph=True)`` and ``torch.export``.
     """
-    mask = reference.causal_mask(t_q, t_k, align=align)  # NumPy, (T_q, T_k)
-    return torch.from_numpy(mask).to(device)
+    t_q = check_int("t_q", t_q)
+    t_k = t_q if t_k is None else check_int("t_k", t_k)
+    check_choice("align", align, ("top-left", "bottom-right"))
+    offset = t_k - t_q if align == "bottom-right" else 0
+    ones = torch.ones((t_q, t_k), dtype=torch.bool, device=device)
+    return ones.tril(offset)  # (T_q, T_k)
 
 
 def attention(

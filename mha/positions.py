@@ -22,12 +22,11 @@ the width of one head.
 from __future__ import annotations
 
 import functools
-import numbers
 
 import torch
 from torch import Tensor, nn
 
-from ._validate import check_int
+from ._validate import check_float, check_int, check_tensor
 
 __all__ = [
     "sinusoidal_positions",
@@ -88,7 +87,7 @@ class LearnedPositions(nn.Module):
 
     def forward(self, positions: Tensor) -> Tensor:
         """The vectors of ``positions`` (integers in ``[0, max_len)``)."""
-        _check_positions(positions)
+        check_tensor("positions", positions, kind="integer")
         if positions.numel() and not (
             0 <= int(positions.min()) and int(positions.max()) < self.max_len
         ):
@@ -173,54 +172,22 @@ def _check_sinusoidal(seq_len: int, d_model: int, base: float) -> None:
             "d_model must be even (a sine and a cosine per frequency), "
             f"got {d_model}"
         )
-    _check_base(base)
-
-
-def _check_base(base: object) -> float:
-    if isinstance(base, bool) or not isinstance(base, numbers.Real):
-        raise TypeError(
-            f"base must be a float, got {type(base).__name__} {base!r}"
-        )
-    if not base > 1.0:
-        raise ValueError(f"base must be a float > 1, got {base}")
-    return float(base)
-
-
-def _check_positions(positions: object) -> None:
-    if not isinstance(positions, Tensor):
-        raise TypeError(
-            "positions must be a torch.Tensor of ints, "
-            f"got {type(positions).__name__}"
-        )
-    if (
-        positions.is_floating_point()
-        or positions.is_complex()
-        or (positions.dtype == torch.bool)
-    ):
-        raise TypeError(
-            f"positions must be an integer tensor, got dtype {positions.dtype}"
-        )
+    check_float("base", base, above=1.0)
 
 
 def _check_rope(x: object, positions: object, base: object) -> None:
     """x: (B, H, T, d_k) floats with d_k even; positions: (T,) or (B, T)."""
-    if not isinstance(x, Tensor) or not x.is_floating_point():
-        got = x.dtype if isinstance(x, Tensor) else type(x).__name__
-        raise TypeError(f"x must be a floating-point torch.Tensor, got {got}")
-    if x.dim() != 4:
-        raise ValueError(
-            f"x must have shape (B, H, T, d_k), got shape {tuple(x.shape)}"
-        )
+    check_tensor("x", x, ndim=4, shape="(B, H, T, d_k)")
     B, _, T, d_k = x.shape
     if d_k % 2:
         raise ValueError(
             "the head width d_k (last axis of x) must be even for RoPE "
             f"(dimension i turns with i + d_k/2), got d_k = {d_k}"
         )
-    _check_positions(positions)
+    check_tensor("positions", positions, kind="integer")
     if tuple(positions.shape) not in ((T,), (B, T)):
         raise ValueError(
             f"positions must have shape (T,) = ({T},) or (B, T) = ({B}, {T}), "
             f"got shape {tuple(positions.shape)}"
         )
-    _check_base(base)
+    check_float("base", base, above=1.0)

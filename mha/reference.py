@@ -79,7 +79,7 @@ def scaled_dot_product_attention(
         ``(output, weights)`` with shapes ``(..., T_q, d_v)`` and
         ``(..., T_q, T_k)``.
     """
-    q, k, v, mask = _check_attention_inputs(q, k, v, mask)
+    q, k, v, mask = check_attention_inputs(q, k, v, mask)
     if scale is None:
         scale = 1.0 / np.sqrt(q.shape[-1])
     scores = (q @ np.swapaxes(k, -1, -2)) * scale  # (..., T_q, T_k)
@@ -324,7 +324,7 @@ def _check_scores(x: ArrayLike) -> Array:
     return x
 
 
-def _check_attention_inputs(
+def check_attention_inputs(
     q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None
 ) -> tuple[Array, Array, Array, NDArray[np.bool_] | None]:
     """q (..., T_q, d_k), k (..., T_k, d_k), v (..., T_k, d_v) and a mask.
@@ -395,7 +395,7 @@ def _check_loop_inputs(
     """
     x = _check_inputs("x", x)
     w_o = _as_float_array("w_o", w_o)
-    num_heads = _check_head_lists(w_q_heads, w_k_heads, w_v_heads)
+    num_heads = check_head_lists(w_q_heads, w_k_heads, w_v_heads)
     d_in = x.shape[-1]
     w_q, w_k, w_v = [], [], []
     for i in range(num_heads):
@@ -445,7 +445,7 @@ def _check_loop_inputs(
     return x, w_q, w_k, w_v, w_o, head_masks
 
 
-def _check_head_lists(
+def check_head_lists(
     w_q_heads: Sequence[ArrayLike],
     w_k_heads: Sequence[ArrayLike],
     w_v_heads: Sequence[ArrayLike],

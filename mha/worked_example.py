@@ -29,7 +29,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from mha.reference import (
-    _check_head_lists,
+    check_head_lists,
     multi_head_attention,
     multi_head_attention_loop,
     scaled_dot_product_attention,
@@ -201,7 +201,7 @@ def compute(
     x = np.asarray(x, dtype=np.float64)
     if x.ndim != 2:
         raise ValueError(f"x must have shape (T, D), got shape {x.shape}")
-    num_heads = _check_head_lists(w_q_heads, w_k_heads, w_v_heads)
+    num_heads = check_head_lists(w_q_heads, w_k_heads, w_v_heads)
     heads = []
     for w_q_i, w_k_i, w_v_i in zip(w_q_heads, w_k_heads, w_v_heads):
         q = x @ np.asarray(w_q_i, dtype=np.float64)  # (T, d_k)

@@ -56,6 +56,51 @@ def test_causal_masks_by_hand() -> None:
         functional.causal_mask(2.0)
 
 
+@pytest.mark.parametrize("align", ["top-left", "bottom-right"])
+def test_causal_masks_equal_the_reference_for_every_shape(align: str) -> None:
+    for t_q in range(1, 9):
+        for t_k in range(1, 9):
+            expected = reference.causal_mask(t_q, t_k, align=align)
+            got = functional.causal_mask(t_q, t_k, align=align)
+            assert got.dtype == torch.bool and got.shape == (t_q, t_k)
+            np.testing.assert_array_equal(got.numpy(), expected, err_msg=f"{t_q}, {t_k}")
+
+
+def test_torch_masks_are_built_in_torch(monkeypatch) -> None:
+    # No mask is made in NumPy and copied over: torch.from_numpy is never called.
+    from mha.flash import flash_attention_torch
+
+    def refuse(*args):
+        raise AssertionError("a mask was copied from NumPy")
+
+    monkeypatch.setattr(torch, "from_numpy", refuse)
+    assert functional.causal_mask(3, 5, align="bottom-right").shape == (3, 5)
+    q, k, v = randn(1, 2, 70, 8, seed=1), randn(1, 2, 70, 8, seed=2), randn(1, 2, 70, 8, seed=3)
+    out, _ = flash_attention_torch(q, k, v, causal=True, block_q=32, block_k=32)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_causal_mask_exports_with_symbolic_lengths() -> None:
+    # Built from the inputs' shapes inside the graph, not captured as a constant: one exported
+    # program masks every (T_q, T_k).
+    class Masked(torch.nn.Module):
+        def forward(self, scores: torch.Tensor) -> torch.Tensor:
+            T_q, T_k = scores.shape
+            keep = functional.causal_mask(T_q, T_k, align="bottom-right", device=scores.device)
+            return scores.masked_fill(~keep, 0.0)
+
+    dims = {"scores": {0: torch.export.Dim("T_q", max=64), 1: torch.export.Dim("T_k", max=64)}}
+    program = torch.export.export(Masked(), (randn(3, 5),), dynamic_shapes=dims)
+    assert not program.constants  # no mask tensor captured at export
+    for t_q, t_k in ((2, 7), (6, 6), (9, 11)):
+        scores = randn(t_q, t_k, seed=t_q)
+        expected = np.where(reference.causal_mask(t_q, t_k, align="bottom-right"), scores, 0.0)
+        np.testing.assert_array_equal(program.module()(scores).numpy(), expected)
+    compiled = torch.compile(Masked(), fullgraph=True, dynamic=True, backend="eager")
+    torch.testing.assert_close(compiled(randn(4, 9)), Masked()(randn(4, 9)))
+
+
 def test_top_left_mask_is_sdpa_is_causal() -> None:
     q, k, v = randn(1, 2, 3, 4, seed=1), randn(1, 2, 5, 4, seed=2), randn(1, 2, 5, 4, seed=3)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -220,7 +220,7 @@ def test_compiles_as_one_graph() -> None:
     for kwargs in (
         {},
         {"need_weights": False, "is_causal": True},
-        {"is_causal": True},  # a causal mask built from the reference's
+        {"is_causal": True},  # a causal mask built in torch
         {"key_padding_mask": padding},
     ):
         assert_same(compiled(x, x, x, **kwargs), ours(x, x, x, **kwargs), str(kwargs))
@@ -232,6 +232,13 @@ def test_exports() -> None:
     program = torch.export.export(ours, (x, x, x), kwargs={"need_weights": False})
     got = program.module()(x, x, x, need_weights=False)
     assert_same(got, ours(x, x, x, need_weights=False))
+
+
+def test_is_not_scriptable_as_the_readme_says() -> None:
+    # README: TorchScript (deprecated in PyTorch 2) is not supported; compile and export are.
+    ours, _ = pair(embed_dim=8, num_heads=2, batch_first=True)
+    with pytest.warns(DeprecationWarning), pytest.raises(RuntimeError, match="Torchscript"):
+        torch.jit.script(ours)
 
 
 # ---------------------------------------------------------------------------------------------

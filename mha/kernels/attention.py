@@ -33,7 +33,6 @@ Offsets are 32-bit: tensors up to 2**31 elements.
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
@@ -41,6 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .._validate import check_same, check_scale, check_tensor
 from . import HEAD_DIMS, INTERPRETED
 
 __all__ = [
@@ -374,20 +374,8 @@ def triton_attention(
 def _check_inputs(q, k, v, scale, block_q, block_k) -> float:
     """The kernels' requirements, each with a clear error; returns scale."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(
-                f"{name} must be a torch.Tensor, got {type(t).__name__}"
-            )
-        if t.ndim != 4:
-            raise ValueError(
-                f"{name} must have shape (B, H, T, d_k), got shape "
-                f"{tuple(t.shape)}"
-            )
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(
-            f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, "
-            f"{v.dtype}"
-        )
+        check_tensor(name, t, kind=None, ndim=4, shape="(B, H, T, d_k)")
+    check_same("q, k and v", (q, k, v))
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     if q.dtype not in dtypes:
         raise TypeError(
@@ -409,11 +397,6 @@ def _check_inputs(q, k, v, scale, block_q, block_k) -> float:
         raise ValueError(
             "q and k must hold at least one position each, got shapes "
             f"{tuple(q.shape)} and {tuple(k.shape)}"
-        )
-    if not q.device == k.device == v.device:
-        raise ValueError(
-            f"q, k and v must be on one device, got {q.device}, {k.device}, "
-            f"{v.device}"
         )
     if INTERPRETED and q.dtype == torch.bfloat16:
         raise ValueError(
@@ -439,12 +422,4 @@ def _check_inputs(q, k, v, scale, block_q, block_k) -> float:
                 f"{name} must be a power of two >= 16 (tl.dot's smallest "
                 f"tile), got {block}"
             )
-    if scale is None:
-        return 1.0 / math.sqrt(q.shape[-1])
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(
-            f"scale must be a float or None, got {type(scale).__name__}"
-        )
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite float, got {scale}")
-    return float(scale)
+    return check_scale(scale, q.shape[-1])
