@@ -70,6 +70,7 @@ def head_view(
     *,
     keys: Sequence[str] | None = None,
     layer_names: Sequence[str] | None = None,
+    head_names: Sequence[str] | None = None,
     show_weights: bool = False,
 ) -> HeadView:
     """An interactive view of attention weights, one panel per head.
@@ -82,6 +83,7 @@ def head_view(
             ``keys`` is given.
         keys: the ``T_k`` key labels (cross-attention).
         layer_names: one title per layer (default "layer 0", "layer 1", ...).
+        head_names: one title per head (default "head 0", "head 1", ...).
         show_weights: also print each weight, to two decimals, beside its
             key while its query is pointed at (for small examples).
 
@@ -90,13 +92,8 @@ def head_view(
     """
     weights, queries, keys = _check(weights, tokens, keys)
     n_layers, n_heads, t_q, t_k = weights.shape
-    if layer_names is None:
-        layer_names = [f"layer {layer}" for layer in range(n_layers)]
-    elif len(layer_names) != n_layers:
-        raise ValueError(
-            f"layer_names must have one name per layer ({n_layers}), "
-            f"got {len(layer_names)}"
-        )
+    layer_names = _names("layer", layer_names, n_layers)
+    head_names = _names("head", head_names, n_heads)
     # the weights as drawn: 2 decimals of opacity are all an eye can tell
     drawn = np.round(weights, 2)
     uid = (
@@ -116,7 +113,14 @@ def head_view(
     rows = []
     for layer in range(n_layers):
         panels = "".join(
-            _panel(drawn[layer, head], queries, keys, head, show_weights)
+            _panel(
+                drawn[layer, head],
+                queries,
+                keys,
+                head,
+                head_names[head],
+                show_weights,
+            )
             for head in range(n_heads)
         )
         title = (
@@ -150,7 +154,7 @@ def _geometry(
     left = round(CHAR * max(map(len, queries)) + 8)  # where the lines start
     right = left + GAP  # where the keys' labels start
     # room for the key labels, and for a weight such as ".45" after them
-    width = right + round(CHAR * (max(map(len, keys)) + 4 * show_weights)) + 8
+    width = right + round(CHAR * (max(map(len, keys)) + 6 * show_weights)) + 8
     height = TOP + ROW * max(len(queries), len(keys))
     return {"left": left, "right": right, "width": width, "height": height}
 
@@ -164,6 +168,7 @@ def _panel(
     queries: list[str],
     keys: list[str],
     head: int,
+    title: str,
     show_weights: bool,
 ) -> str:
     """One head: queries left, keys right, a line per weight drawn."""
@@ -206,10 +211,10 @@ def _panel(
     colour = COLOURS[head % len(COLOURS)]
     return (
         f'<div class="mha-hv-panel" style="--head: {colour}">'
-        f'<div class="mha-hv-title">head {head}</div>'
+        f'<div class="mha-hv-title">{html.escape(title)}</div>'
         f'<svg width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" role="img" '
-        f'aria-label="head {head}: lines from queries to keys">'
+        f'aria-label="{html.escape(title)}: lines from queries to keys">'
         + "".join(parts)
         + "</svg></div>"
     )
@@ -259,6 +264,17 @@ def _style(uid: str, t_q: int, t_k: int, size: dict[str, float]) -> str:
         on = f"{scope}:has(.mha-hv-k.k{j}:is(:hover,:focus))"
         rules.append(f"{on} path:not(.k{j}){{visibility:hidden}}")
     return "".join(rules)
+
+
+def _names(what: str, names: Sequence[str] | None, count: int) -> list[str]:
+    if names is None:
+        return [f"{what} {number}" for number in range(count)]
+    if len(names) != count:
+        raise ValueError(
+            f"{what}_names must have one name per {what} ({count}), "
+            f"got {len(names)}"
+        )
+    return [str(name) for name in names]
 
 
 def _check(

@@ -120,6 +120,9 @@ def test_text_form_and_layer_titles():
     one = head_view(_weights()[0], list("abcde"))
     assert repr(one) == "head view: 3 heads, 5 queries x 5 keys (interactive in HTML)"
     assert 'class="mha-hv-layer"' not in one.html
+    named = head_view(_weights()[0], list("abcde"), head_names=["h1", "h2", "h3"])
+    titles = re.findall(r'<div class="mha-hv-title">([^<]*)</div>', named.html)
+    assert titles == ["h1", "h2", "h3"]
 
 
 def test_labels_are_escaped():
@@ -137,6 +140,12 @@ def test_labels_are_escaped():
         (np.eye(3)[None], "ab", {}, r"tokens must have one label per T_q = 3, got 2"),
         (np.eye(3)[None], "abc", {"keys": "ab"}, r"keys must have one label per T_k = 3"),
         (np.eye(3)[None, None], "abc", {"layer_names": ["a", "b"]}, "one name per layer"),
+        (
+            np.eye(3)[None],
+            "abc",
+            {"head_names": ["a", "b"]},
+            r"head_names must have one name per head \(1\), got 2",
+        ),
     ],
 )
 def test_bad_input_is_named(weights, tokens, kwargs, message):
