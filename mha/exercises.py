@@ -435,7 +435,7 @@ def check_split_heads(
             _array(checker.call(x, 4)), (2, 4, 3, 5), "the heads", _AXES
         )
 
-    @checker.item("head h holds columns h*d_k to (h+1)*d_k - 1 of each token")
+    @checker.item("head h holds the h-th block of d_k columns of each token")
     def _() -> None:
         _compare(
             checker.call(x, 4),
