@@ -212,6 +212,7 @@ def plot_mask(
     """
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
+    from matplotlib.transforms import offset_copy
 
     mask = np.asarray(mask)
     if mask.dtype != bool:
@@ -254,10 +255,16 @@ def plot_mask(
             label=f"False = {false_means}",
         ),
     ]
+    # below the "key" label, whatever the height of the axes: 30 points
+    # under the axes clear the tick labels and the label
+    below_label = offset_copy(
+        ax.transAxes, fig=ax.figure, y=-30, units="points"
+    )
     ax.legend(
         handles=handles,
         loc="upper center",
-        bbox_to_anchor=(0.5, -0.18 if t_q > 1 else -1.2),
+        bbox_to_anchor=(0.5, 0.0),
+        bbox_transform=below_label,
         ncol=1,
         fontsize=7,
         frameon=False,
