@@ -54,7 +54,7 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest tests --ignore=tests/book
 
 nbval: $(STAMP)
-	$(BIN)/python -m pytest --nbval --nbval-current-env chapters
+	$(BIN)/python -m pytest --nbval --nbval-current-env chapters appendix
 
 html-checks: $(STAMP)
 	$(BIN)/python -m pytest tests/book
@@ -74,7 +74,7 @@ lab: $(STAMP)
 	  $(LAB_ARGS) chapters
 
 refresh: $(STAMP)
-	for nb in chapters/*.ipynb; do \
+	for nb in chapters/*.ipynb appendix/*.ipynb; do \
 	  echo "executing $$nb"; \
 	  $(BIN)/jupyter execute --inplace --timeout=900 "$$nb" || exit 1; \
 	done

@@ -6,7 +6,9 @@ checkers' own twins), and each test pins the item that fails and the words of th
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import mha
 import numpy as np
@@ -601,3 +603,46 @@ def test_online_softmax_inverted_rescale_named_when_the_start_is_finite():
         return m_new, rescale * ell + p.sum(-1), rescale[:, None] * acc + p @ v
 
     assert_caught(ex.check_online_softmax_step, inverted, 2, "rescale is inverted")
+
+
+# ---------------------------------------------------------------------------------------------
+# The chapters' solutions, in JupyterLab
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# Chapters whose solutions are not folded yet (each is listed by name until it is).
+NOT_FOLDED_YET = {
+    "08_pytorch_module",
+    "09_batched_gpu",
+    "10_what_heads_learn",
+    "11_positions",
+    "12_decoding_kv_cache",
+    "13_flash_attention",
+    "14_heads_across_processes",
+}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in sorted((ROOT / "chapters").glob("*.ipynb")) if p.stem not in NOT_FOLDED_YET],
+    ids=lambda p: p.stem,
+)
+def test_solutions_are_folded_in_jupyterlab(path):
+    # The book folds a solution into a dropdown; JupyterLab (with jupyterlab-myst) draws the
+    # solution-start box but shows the cells after it, unless each is marked hidden.
+    cells = json.loads(path.read_text())["cells"]
+    inside, open_cells, solutions = False, [], 0
+    for number, cell in enumerate(cells):
+        source = "".join(cell["source"]).lstrip()
+        if source.startswith("```{solution-start}"):
+            inside, solutions = True, solutions + 1
+        elif source.startswith("```{solution-end}"):
+            inside = False
+        elif inside:
+            hidden = cell["metadata"].get("jupyter", {})
+            if not hidden.get("source_hidden") or (
+                cell["cell_type"] == "code" and not hidden.get("outputs_hidden")
+            ):
+                open_cells.append(number)
+    assert solutions > 0, f"{path.name} has no solution"
+    assert not open_cells, f"{path.name}: cells {open_cells} of a solution are not folded"
