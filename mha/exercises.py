@@ -1374,11 +1374,15 @@ def _describe(value: Any) -> str:
     return repr(value)
 
 
+# A message fits a code cell's output box even inside a solution's dropdown.
+WIDTH = 74
+
+
 def _wrap(title: str, detail: str) -> str:
-    """The message, in lines of at most 79 characters."""
-    lines = textwrap.wrap(title, 79)
+    """The message, in lines of at most ``WIDTH`` characters."""
+    lines = textwrap.wrap(title, WIDTH)
     for paragraph in detail.split("\n"):
         lines += textwrap.wrap(
-            paragraph, 79, initial_indent="  ", subsequent_indent="  "
+            paragraph, WIDTH, initial_indent="  ", subsequent_indent="  "
         ) or [""]
     return "\n".join(lines)

@@ -114,7 +114,7 @@ def assert_caught(check, fn, item: int, *words: str, **kwargs) -> str:
     flat = " ".join(message.split())
     for word in words:
         assert word in flat, f"{word!r} not in:\n{message}"
-    assert all(len(line) <= 79 for line in message.splitlines()), message
+    assert all(len(line) <= ex.WIDTH for line in message.splitlines()), message
     return message
 
 
@@ -189,7 +189,9 @@ def test_an_error_inside_the_learners_code_is_reported_with_the_shapes():
         return mha.softmax(q @ k / np.sqrt(q.shape[-1])) @ v
 
     message = assert_caught(ex.check_scaled_dot_product_attention, transposes_nothing, 1)
-    assert "raised ValueError" in message and "array (3, 5), array (4, 5)" in message
+    flat = " ".join(message.split())
+    assert "raised ValueError" in flat and "array (3, 5), array (4, 5)" in flat
+    assert "transpose k's last two axes" in flat
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,3 +648,37 @@ def test_solutions_are_folded_in_jupyterlab(path):
                 open_cells.append(number)
     assert solutions > 0, f"{path.name} has no solution"
     assert not open_cells, f"{path.name}: cells {open_cells} of a solution are not folded"
+
+
+# What a solution's dropdown shows without scrolling sideways, at 1280 px (measured in Chromium:
+# the dropdown's padding takes 9 of the 83 characters of the column's code boxes).
+SOLUTION_CODE_WIDTH, SOLUTION_OUTPUT_WIDTH = 74, 75
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in sorted((ROOT / "chapters").glob("*.ipynb")) if p.stem not in NOT_FOLDED_YET],
+    ids=lambda p: p.stem,
+)
+def test_solutions_fit_their_dropdown(path):
+    cells = json.loads(path.read_text())["cells"]
+    inside, wide = False, []
+    for number, cell in enumerate(cells):
+        source = "".join(cell["source"])
+        if source.lstrip().startswith("```{solution-start}"):
+            inside = True
+        elif source.lstrip().startswith("```{solution-end}"):
+            inside = False
+        elif inside and cell["cell_type"] == "code":
+            printed = "".join("".join(o.get("text", "")) for o in cell.get("outputs", []))
+            wide += [
+                f"cell {number}: {line!r}"
+                for line in source.splitlines()
+                if len(line) > SOLUTION_CODE_WIDTH
+            ]
+            wide += [
+                f"cell {number} prints: {line!r}"
+                for line in printed.splitlines()
+                if len(line) > SOLUTION_OUTPUT_WIDTH
+            ]
+    assert not wide, f"{path.name}: lines wider than a solution's box:\n" + "\n".join(wide)
