@@ -624,28 +624,35 @@ NOT_FOLDED_YET = {
 }
 
 
-@pytest.mark.parametrize(
-    "path",
-    [p for p in sorted((ROOT / "chapters").glob("*.ipynb")) if p.stem not in NOT_FOLDED_YET],
-    ids=lambda p: p.stem,
-)
-def test_solutions_are_folded_in_jupyterlab(path):
-    # The book folds a solution into a dropdown; JupyterLab (with jupyterlab-myst) draws the
-    # solution-start box but shows the cells after it, unless each is marked hidden.
-    cells = json.loads(path.read_text())["cells"]
-    inside, open_cells, solutions = False, [], 0
-    for number, cell in enumerate(cells):
+FOLDED = [p for p in sorted((ROOT / "chapters").glob("*.ipynb")) if p.stem not in NOT_FOLDED_YET]
+
+
+def _solution_cells(path: Path) -> tuple[int, list[tuple[int, dict]]]:
+    """The number of solutions, and (index, cell) of every cell inside one."""
+    inside, solutions, cells = False, 0, []
+    for number, cell in enumerate(json.loads(path.read_text())["cells"]):
         source = "".join(cell["source"]).lstrip()
         if source.startswith("```{solution-start}"):
             inside, solutions = True, solutions + 1
         elif source.startswith("```{solution-end}"):
             inside = False
         elif inside:
-            hidden = cell["metadata"].get("jupyter", {})
-            if not hidden.get("source_hidden") or (
-                cell["cell_type"] == "code" and not hidden.get("outputs_hidden")
-            ):
-                open_cells.append(number)
+            cells.append((number, cell))
+    return solutions, cells
+
+
+@pytest.mark.parametrize("path", FOLDED, ids=lambda p: p.stem)
+def test_solutions_are_folded_in_jupyterlab(path):
+    # The book folds a solution into a dropdown; JupyterLab (with jupyterlab-myst) draws the
+    # solution-start box but shows the cells after it, unless each is marked hidden.
+    solutions, cells = _solution_cells(path)
+    open_cells = []
+    for number, cell in cells:
+        hidden = cell["metadata"].get("jupyter", {})
+        if not hidden.get("source_hidden") or (
+            cell["cell_type"] == "code" and not hidden.get("outputs_hidden")
+        ):
+            open_cells.append(number)
     assert solutions > 0, f"{path.name} has no solution"
     assert not open_cells, f"{path.name}: cells {open_cells} of a solution are not folded"
 
@@ -655,30 +662,22 @@ def test_solutions_are_folded_in_jupyterlab(path):
 SOLUTION_CODE_WIDTH, SOLUTION_OUTPUT_WIDTH = 74, 75
 
 
-@pytest.mark.parametrize(
-    "path",
-    [p for p in sorted((ROOT / "chapters").glob("*.ipynb")) if p.stem not in NOT_FOLDED_YET],
-    ids=lambda p: p.stem,
-)
+@pytest.mark.parametrize("path", FOLDED, ids=lambda p: p.stem)
 def test_solutions_fit_their_dropdown(path):
-    cells = json.loads(path.read_text())["cells"]
-    inside, wide = False, []
-    for number, cell in enumerate(cells):
+    wide = []
+    for number, cell in _solution_cells(path)[1]:
+        if cell["cell_type"] != "code":
+            continue
         source = "".join(cell["source"])
-        if source.lstrip().startswith("```{solution-start}"):
-            inside = True
-        elif source.lstrip().startswith("```{solution-end}"):
-            inside = False
-        elif inside and cell["cell_type"] == "code":
-            printed = "".join("".join(o.get("text", "")) for o in cell.get("outputs", []))
-            wide += [
-                f"cell {number}: {line!r}"
-                for line in source.splitlines()
-                if len(line) > SOLUTION_CODE_WIDTH
-            ]
-            wide += [
-                f"cell {number} prints: {line!r}"
-                for line in printed.splitlines()
-                if len(line) > SOLUTION_OUTPUT_WIDTH
-            ]
+        printed = "".join("".join(o.get("text", "")) for o in cell.get("outputs", []))
+        wide += [
+            f"cell {number}: {line!r}"
+            for line in source.splitlines()
+            if len(line) > SOLUTION_CODE_WIDTH
+        ]
+        wide += [
+            f"cell {number} prints: {line!r}"
+            for line in printed.splitlines()
+            if len(line) > SOLUTION_OUTPUT_WIDTH
+        ]
     assert not wide, f"{path.name}: lines wider than a solution's box:\n" + "\n".join(wide)
