@@ -616,7 +616,6 @@ ROOT = Path(__file__).resolve().parents[1]
 NOT_FOLDED_YET = {
     "08_pytorch_module",
     "09_batched_gpu",
-    "10_what_heads_learn",
     "11_positions",
     "12_decoding_kv_cache",
     "13_flash_attention",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from browser import browser, require_chromium
 
-PAGES = ["chapters/04_worked_example.html"]
+PAGES = ["chapters/04_worked_example.html", "chapters/10_what_heads_learn.html"]
 
 # Per view: the visible lines (by their classes), the visible shades and weights, and the
 # centres of the first panel's query and key boxes.
