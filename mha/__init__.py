@@ -13,6 +13,8 @@ pin it (``tests/test_rooms.py`` keeps the table true):
 * :mod:`mha.module` - MultiHeadAttention, torch's layer
 * :mod:`mha.plotting` - maps, grids, benchmark plots
 * :mod:`mha.bench` - ``python -m mha.bench``
+* :mod:`mha.exercises` - checkers for a learner's own code
+* :mod:`mha.head_view` - an interactive head view, offline HTML
 * :mod:`mha.tiny` - the tiny induction model and the training loop
 * :mod:`mha.positions` - sinusoidal, learned, rotary
 * :mod:`mha.decoding` - GQA, key/value caches, generation

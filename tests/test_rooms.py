@@ -12,7 +12,10 @@ import mha
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mha"
-NOTEBOOKS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
+CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
+#: Every notebook, as the table's chapters column names it: "01" ... or "appendix".
+NOTEBOOKS = [(path.name[:2], path) for path in CHAPTERS]
+NOTEBOOKS += [("appendix", path) for path in sorted((ROOT / "appendix").glob("*.ipynb"))]
 
 
 def _rooms() -> set[str]:
@@ -70,11 +73,11 @@ def _imported_rooms(source: str) -> set[str]:
 
 def _chapters_importing() -> dict[str, set[str]]:
     chapters: dict[str, set[str]] = {room: set() for room in _rooms()}
-    for path in NOTEBOOKS:
+    for label, path in NOTEBOOKS:
         cells = json.loads(path.read_text())["cells"]
         source = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
         for room in _imported_rooms(source):
-            chapters[room].add(path.name[:2])
+            chapters[room].add(label)
     return chapters
 
 
@@ -90,7 +93,7 @@ def _table() -> dict[str, tuple[str, str]]:
 
 def _chapter_numbers(text: str) -> set[str]:
     if text == "all":
-        return {path.name[:2] for path in NOTEBOOKS}
+        return {path.name[:2] for path in CHAPTERS}
     if text == "-":
         return set()
     return {number.strip() for number in text.split(",")}
