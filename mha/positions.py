@@ -251,9 +251,10 @@ class Rope:
         device: torch.device | str | None = None,
     ) -> Tensor:
         """``theta_i`` (d_k / 2,), after the scaling rule, in ``dtype``."""
-        return _frequencies(
-            self, head_dim, dtype, torch.device(device or "cpu")
-        )
+        device = torch.device(device or "cpu")
+        if torch.compiler.is_compiling():  # traced once into the graph
+            return _scaled_frequencies(self, head_dim, dtype, device)
+        return _frequencies(self, head_dim, dtype, device)
 
 
 def as_rope(base: float | Rope) -> Rope:
@@ -322,20 +323,28 @@ def apply_rope(
 def _frequencies(
     rope: Rope, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> Tensor:
-    """``theta_i`` for i = 0 .. d_k/2 - 1, scaled by ``rope``'s rule, with
-    ``transformers``' operations in ``dtype``; made once per argument set."""
+    """:func:`_scaled_frequencies`, made once per argument set (outside any
+    inference mode, so that autograd may use them later)."""
     with torch.inference_mode(False), torch.no_grad():
-        exponents = torch.arange(
-            0, head_dim, 2, dtype=torch.int64, device=device
-        ).to(dtype)
-        theta = 1.0 / (rope.base ** (exponents / head_dim))  # (d_k/2,)
-        if rope.rope_type == "linear":  # position p is read as p / factor
-            return theta / rope.factor
-        if rope.rope_type == "llama3":
-            return _llama3(theta, rope)
-        if rope.rope_type == "yarn":
-            return _yarn(theta, rope, head_dim)
-        return theta
+        return _scaled_frequencies(rope, head_dim, dtype, device)
+
+
+def _scaled_frequencies(
+    rope: Rope, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """``theta_i`` for i = 0 .. d_k/2 - 1, scaled by ``rope``'s rule, with
+    ``transformers``' operations in ``dtype``."""
+    exponents = torch.arange(
+        0, head_dim, 2, dtype=torch.int64, device=device
+    ).to(dtype)
+    theta = 1.0 / (rope.base ** (exponents / head_dim))  # (d_k/2,)
+    if rope.rope_type == "linear":  # position p is read as p / factor
+        return theta / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3(theta, rope)
+    if rope.rope_type == "yarn":
+        return _yarn(theta, rope, head_dim)
+    return theta
 
 
 def _llama3(theta: Tensor, rope: Rope) -> Tensor:

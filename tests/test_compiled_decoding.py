@@ -1,0 +1,127 @@
+"""Decoding under torch.compile(fullgraph=True): one graph for the prefill, one for every step.
+
+The caches keep the number of written positions in a tensor, so the compiler has no Python int
+to guard (one that changes every step would compile the step again, each time, until
+torch._dynamo's recompile limit sends it back to eager). The graphs are counted with
+torch._dynamo.testing.CompileCounter, whose "eager" backend runs the captured graph as it is
+(the count is the compiler's, whatever the backend); one test runs inductor itself.
+Expected outputs: the same layer and cache, run eagerly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from mha.decoding import GroupedQueryAttention, KVCache, PagedKVCache
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
+
+from helpers import randn
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+D, H, H_KV = 32, 8, 2
+D_K = D // H
+PROMPT, STEPS = 5, 32
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiler():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def make_layer() -> GroupedQueryAttention:
+    torch.manual_seed(0)
+    layer = GroupedQueryAttention(D, H, H_KV, dtype=torch.float64).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, dtype=torch.float64) / math.sqrt(p.shape[-1]))
+    return layer
+
+
+def new_cache(kind: str):
+    total = PROMPT + STEPS
+    if kind == "paged":
+        return PagedKVCache(2, total, H_KV, D_K, block_size=4, dtype=torch.float64)
+    return KVCache(2, total, H_KV, D_K, dtype=torch.float64)
+
+
+def eager_steps(layer, x, kind: str) -> torch.Tensor:
+    cache = new_cache(kind)
+    outs = [layer(x[:, :PROMPT], cache=cache)]
+    outs += [layer(x[:, t : t + 1], cache=cache) for t in range(PROMPT, PROMPT + STEPS)]
+    return torch.cat(outs, dim=1)
+
+
+def run_steps(step, x, cache) -> torch.Tensor:
+    """The prefill, then STEPS single tokens; blocks reserved outside the compiled step."""
+    outs = []
+    for start, end in [(0, PROMPT), *((t, t + 1) for t in range(PROMPT, PROMPT + STEPS))]:
+        if isinstance(cache, PagedKVCache):
+            cache.reserve(end - start)  # the scheduler's part, eager
+        outs.append(step(x[:, start:end]))
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("kind", ["preallocated", "paged"])
+@pytest.mark.parametrize("held", ["argument", "closure", "module"])
+def test_one_graph_for_the_prefill_and_one_for_every_step(kind: str, held: str) -> None:
+    layer = make_layer()
+    x = randn(2, PROMPT + STEPS, D, seed=1)
+    cache = new_cache(kind)
+    counter = CompileCounter()
+    with torch.no_grad():
+        expected = eager_steps(layer, x, kind)
+        if held == "argument":
+            compiled = torch.compile(
+                lambda chunk, c: layer(chunk, cache=c), backend=counter, fullgraph=True
+            )
+            out = run_steps(lambda chunk: compiled(chunk, cache), x, cache)
+        elif held == "closure":
+            compiled = torch.compile(
+                lambda chunk: layer(chunk, cache=cache), backend=counter, fullgraph=True
+            )
+            out = run_steps(compiled, x, cache)
+        else:
+
+            class WithCache(torch.nn.Module):
+                def __init__(self) -> None:
+                    super().__init__()
+                    self.layer, self.cache = layer, cache
+
+                def forward(self, chunk: torch.Tensor) -> torch.Tensor:
+                    return self.layer(chunk, cache=self.cache)
+
+            out = run_steps(torch.compile(WithCache(), backend=counter, fullgraph=True), x, cache)
+    assert counter.frame_count == 2  # the prefill's graph and the step's, nothing more
+    assert len(cache) == PROMPT + STEPS
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_step_compiled_by_inductor_compiles_once_and_agrees() -> None:
+    layer = make_layer().float()
+    x = randn(2, PROMPT + 8, D, seed=4, dtype=torch.float32)
+    cache = KVCache(2, PROMPT + 8, H_KV, D_K)
+    counter = CompileCounterWithBackend("inductor")
+    step = torch.compile(lambda chunk: layer(chunk, cache=cache), backend=counter, fullgraph=True)
+    with torch.no_grad():
+        expected = layer(x)
+        outs = [step(x[:, :PROMPT])]
+        outs += [step(x[:, t : t + 1]) for t in range(PROMPT, PROMPT + 8)]
+    assert counter.frame_count == 2
+    torch.testing.assert_close(torch.cat(outs, dim=1), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiled_step_with_a_full_cache_fails_loudly() -> None:
+    layer = make_layer()
+    cache = KVCache(2, 3, H_KV, D_K, dtype=torch.float64)
+    step = torch.compile(lambda chunk: layer(chunk, cache=cache), backend="eager", fullgraph=True)
+    x = randn(2, 4, D, seed=2)
+    with torch.no_grad():
+        for t in range(3):
+            step(x[:, t : t + 1])
+        with pytest.raises(RuntimeError, match="max_len = 3"):
+            step(x[:, 3:4])
