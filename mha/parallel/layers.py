@@ -251,17 +251,37 @@ def shard_heads(
     )
 
 
-def parallelize_heads(layer: SelfAttention, mesh) -> SelfAttention:
-    """``layer``'s heads spread over ``mesh`` by DTensor, in place."""
-    from torch.distributed.tensor import Shard
+def parallelize_heads(
+    layer: SelfAttention, mesh, *, input_once: bool = True
+) -> SelfAttention:
+    """``layer``'s heads spread over ``mesh`` by DTensor, in place.
+
+    ``input_once``: make the input a replicated DTensor once, before the
+    three projections (``PrepareModuleInput``), so that the backward pass
+    all-reduces its gradient once; ``False`` leaves that to each
+    ``ColwiseParallel``, and the backward pass all-reduces three times.
+    """
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.experimental import local_map
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
         RowwiseParallel,
         parallelize_module,
     )
 
     _check_dtensor_split(layer, mesh.size())
+    if input_once:  # x: one replicated DTensor; the partial sums of its
+        # gradient from q, k and v are added locally, then all-reduced once
+        parallelize_module(
+            layer,
+            mesh,
+            PrepareModuleInput(
+                input_layouts=(Replicate(),),
+                desired_input_layouts=(Replicate(),),
+                use_local_output=False,
+            ),
+        )
     plan = {
         name: ColwiseParallel(use_local_output=False)  # q, k, v: DTensors
         for name in ("q_proj", "k_proj", "v_proj")
