@@ -67,7 +67,8 @@ class SelfAttention(nn.Module):
     (D, H d_k). The head counts are read from the projections' widths (and
     ``-1`` in :func:`mha.functional.split_heads`), so the same code runs the
     whole layer and any process's share of it. ``rope_base``: rotary
-    positions 0 .. T-1, a base or a :class:`mha.Rope` (None: none). No dropout; masks: ``is_causal`` only.
+    positions 0 .. T-1, a base or a :class:`mha.Rope` (None: none). No
+    dropout; masks: ``is_causal`` only.
     """
 
     def __init__(
