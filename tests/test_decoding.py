@@ -295,6 +295,7 @@ def test_greedy_generation_is_the_same_with_and_without_a_cache(num_kv_heads: in
     assert plain.shape == (3, 17) and torch.equal(plain[:, :5], prompt)
     assert torch.equal(generate(model, prompt, 12, cache="preallocated"), plain)
     assert torch.equal(generate(model, prompt, 12, cache="concat"), plain)
+    assert torch.equal(generate(model, prompt, 12, cache="paged"), plain)
     # Greedy: every new token is the argmax of the model's logits on everything before it.
     logits = model(plain[:, :-1])
     assert torch.equal(logits[:, 4:].argmax(-1), plain[:, 5:])
