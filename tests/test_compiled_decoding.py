@@ -4,8 +4,8 @@ The caches keep the number of written positions in a tensor, so the compiler has
 to guard (one that changes every step would compile the step again, each time, until
 torch._dynamo's recompile limit sends it back to eager). The graphs are counted with
 torch._dynamo.testing.CompileCounter, whose "eager" backend runs the captured graph as it is
-(the count is the compiler's, whatever the backend); one test runs inductor itself.
-Expected outputs: the same layer and cache, run eagerly.
+(the count is the compiler's, whatever the backend); the benchmark's compiled entries run
+inductor itself. Expected outputs: the same layer and cache, run eagerly.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import math
 
 import pytest
 import torch
+from mha import bench
 from mha.decoding import GroupedQueryAttention, KVCache, PagedKVCache
-from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
+from torch._dynamo.testing import CompileCounter
 
 from helpers import randn
 
@@ -101,18 +102,47 @@ def test_one_graph_for_the_prefill_and_one_for_every_step(kind: str, held: str) 
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
-def test_a_step_compiled_by_inductor_compiles_once_and_agrees() -> None:
-    layer = make_layer().float()
-    x = randn(2, PROMPT + 8, D, seed=4, dtype=torch.float32)
-    cache = KVCache(2, PROMPT + 8, H_KV, D_K)
-    counter = CompileCounterWithBackend("inductor")
-    step = torch.compile(lambda chunk: layer(chunk, cache=cache), backend=counter, fullgraph=True)
+@pytest.mark.parametrize("impl", ["preallocated_compiled", "hf_static_compiled"])
+def test_the_compiled_benchmark_steps_equal_the_full_forward(impl: str) -> None:
+    # Inductor itself: the benchmark's compiled entries, ours and transformers'.
+    layer = bench.make_decode_layer(32, 4, 2)
+    context, x_new = bench.make_decode_inputs(2, 9, 32)
     with torch.no_grad():
-        expected = layer(x)
-        outs = [step(x[:, :PROMPT])]
-        outs += [step(x[:, t : t + 1]) for t in range(PROMPT, PROMPT + 8)]
-    assert counter.frame_count == 2
-    torch.testing.assert_close(torch.cat(outs, dim=1), expected, rtol=1e-5, atol=1e-5)
+        expected = layer(torch.cat((context, x_new), dim=1))[:, -1:]  # positions 0..9
+        runner = bench.build_runner(bench.DECODE_IMPLEMENTATIONS, impl, layer, context, x_new)
+        first, second = runner(), runner()  # the same step every call
+    torch.testing.assert_close(first, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(first, second)
+    assert impl not in bench.select(bench.DECODE_IMPLEMENTATIONS, None, "cpu")  # asked for only
+
+
+def test_compiled_ratios_by_hand() -> None:
+    times = {  # per-round times of (impl) at B = 1, H_kv = 4, T = 128
+        "preallocated_cache": [2.0, 4.0, 2.0],
+        "preallocated_compiled": [1.0, 1.0, 1.0],  # 0.5, 0.25, 0.5 -> median 0.5
+        "hf_static_cache": [3.0, 3.0, 3.0],
+        "hf_static_compiled": [2.0, 2.0, 4.0],  # 2/3, 2/3, 4/3 -> median 2/3
+    }
+    report = {
+        "config": {"batches": [1], "contexts": [128], "kv_heads": [4], "heads": 4},
+        "results": [
+            {
+                "impl": impl,
+                "num_kv_heads": 4,
+                "batch": 1,
+                "context": 128,
+                "status": "ok",
+                "median_s": sorted(samples)[1],
+                "times_s": samples,
+            }
+            for impl, samples in times.items()
+        ],
+    }
+    (ratio,) = bench.decode_ratios(report)
+    assert ratio["compiled/eager"] == pytest.approx(0.5)
+    assert ratio["hf_compiled/hf_eager"] == pytest.approx(2 / 3)
+    assert ratio["ours/hf_static, compiled"] == pytest.approx(0.5)  # 1/2, 1/2, 1/4
+    assert ratio["no_cache/ours"] is None  # not measured
 
 
 def test_a_compiled_step_with_a_full_cache_fails_loudly() -> None:
