@@ -25,6 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 D, H, H_KV = 32, 8, 2
 D_K = D // H
 PROMPT, STEPS = 5, 32
+GLOBAL_CACHE = None  # the cache of the test that reads it as a global
 
 
 @pytest.fixture(autouse=True)
@@ -68,11 +69,12 @@ def run_steps(step, x, cache) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["preallocated", "paged"])
-@pytest.mark.parametrize("held", ["argument", "closure", "module"])
+@pytest.mark.parametrize("held", ["argument", "closure", "global", "module"])
 def test_one_graph_for_the_prefill_and_one_for_every_step(kind: str, held: str) -> None:
+    global GLOBAL_CACHE
     layer = make_layer()
     x = randn(2, PROMPT + STEPS, D, seed=1)
-    cache = new_cache(kind)
+    cache = GLOBAL_CACHE = new_cache(kind)
     counter = CompileCounter()
     with torch.no_grad():
         expected = eager_steps(layer, x, kind)
@@ -81,6 +83,11 @@ def test_one_graph_for_the_prefill_and_one_for_every_step(kind: str, held: str) 
                 lambda chunk, c: layer(chunk, cache=c), backend=counter, fullgraph=True
             )
             out = run_steps(lambda chunk: compiled(chunk, cache), x, cache)
+        elif held == "global":  # a Python int read from a global is guarded by its value
+            compiled = torch.compile(
+                lambda chunk: layer(chunk, cache=GLOBAL_CACHE), backend=counter, fullgraph=True
+            )
+            out = run_steps(compiled, x, cache)
         elif held == "closure":
             compiled = torch.compile(
                 lambda chunk: layer(chunk, cache=cache), backend=counter, fullgraph=True
