@@ -235,7 +235,7 @@ class GroupedQueryAttention(nn.Module):
         """Check every input before anything is computed (under
         ``torch.compile`` only what the shapes tell: no value is read)."""
         if not isinstance(x, Tensor) or not x.is_floating_point():
-            got = x.dtype if isinstance(x, Tensor) else type(x).__name__
+            got = _dtype_or_type(x)
             raise TypeError(f"x must be a floating-point tensor, got {got}")
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(
@@ -330,11 +330,7 @@ def _check_attn_mask(
     attn_mask: Tensor, B: int, H: int, t_q: int, cache: Cache | None
 ) -> None:
     if not isinstance(attn_mask, Tensor) or attn_mask.dtype != torch.bool:
-        got = (
-            attn_mask.dtype
-            if isinstance(attn_mask, Tensor)
-            else type(attn_mask).__name__
-        )
+        got = _dtype_or_type(attn_mask)
         raise TypeError(
             f"attn_mask must be a bool tensor (True = may attend), got {got}"
         )
@@ -1079,11 +1075,7 @@ def _check_prompts(prompts: object) -> None:
         raise ValueError("prompts must hold at least one prompt, got none")
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, Tensor) or prompt.dtype != torch.int64:
-            got = (
-                prompt.dtype
-                if isinstance(prompt, Tensor)
-                else type(prompt).__name__
-            )
+            got = _dtype_or_type(prompt)
             raise TypeError(
                 f"prompts[{i}] must be an int64 tensor of tokens, got {got}"
             )
@@ -1094,13 +1086,14 @@ def _check_prompts(prompts: object) -> None:
             )
 
 
+def _dtype_or_type(value: object) -> object:
+    """What an error says came: a tensor's dtype, or the type's name."""
+    return value.dtype if isinstance(value, Tensor) else type(value).__name__
+
+
 def _check_tokens(tokens: object, vocab_size: int) -> None:
     if not isinstance(tokens, Tensor) or tokens.dtype != torch.int64:
-        got = (
-            tokens.dtype
-            if isinstance(tokens, Tensor)
-            else type(tokens).__name__
-        )
+        got = _dtype_or_type(tokens)
         raise TypeError(f"tokens must be an int64 tensor, got {got}")
     if tokens.dim() != 2 or tokens.shape[1] == 0:
         raise ValueError(

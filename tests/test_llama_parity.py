@@ -19,7 +19,7 @@ from transformers import LlamaConfig
 from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-from helpers import randn
+from helpers import ROPE_PARAMETERS, randn
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -153,25 +153,6 @@ def test_decoding_equals_llama_attention_with_static_cache(num_kv_heads: int) ->
 
 # ---------------------------------------------------------------------------------------------
 # from_config: the layer transformers builds from a configuration, scaled RoPE included
-
-ROPE_PARAMETERS = {
-    "default": {"rope_type": "default", "rope_theta": 10000.0},
-    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-    "llama3": {  # Llama 3.1's published values
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-    "yarn": {
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 4.0,
-        "original_max_position_embeddings": 4096,
-    },
-}
 
 
 def scaled_config(rope_type: str, num_kv_heads: int = 2, bias: bool = False) -> LlamaConfig:

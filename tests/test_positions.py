@@ -23,7 +23,7 @@ from mha.positions import (
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from helpers import randn
+from helpers import ROPE_PARAMETERS, randn
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -173,25 +173,6 @@ def test_rope_equals_transformers_llama_rotary_embedding(head_dim: int, base: fl
 
 # ---------------------------------------------------------------------------------------------
 # Scaled RoPE: position interpolation, Llama 3.1's rule, YaRN
-
-ROPE_PARAMETERS = {
-    "default": {"rope_type": "default", "rope_theta": 10000.0},
-    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-    "llama3": {  # Llama 3.1's published values
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-    "yarn": {
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 4.0,
-        "original_max_position_embeddings": 4096,
-    },
-}
 
 
 def llama_rotary(rope_type: str, head_dim: int) -> tuple[LlamaConfig, LlamaRotaryEmbedding]:
