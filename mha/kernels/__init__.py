@@ -31,14 +31,19 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 __all__ = [
+    "MAX_HEAD_DIM",
     "HEAD_DIMS",
     "TRITON_AVAILABLE",
     "INTERPRETED",
     "triton_attention",
+    "triton_split_kv_attention",
 ]
 
-#: The head sizes d_k the attention kernel is built for.
-HEAD_DIMS = (16, 32, 64, 128)
+#: The largest head size d_k the kernels take.
+MAX_HEAD_DIM = 256
+
+#: The head sizes d_k the kernels take: any from 1 to 256.
+HEAD_DIMS = range(1, MAX_HEAD_DIM + 1)
 
 
 def _cuda_available() -> bool:
@@ -98,13 +103,48 @@ def triton_attention(
     Raises:
         ModuleNotFoundError: Triton cannot be imported here.
     """
-    if not TRITON_AVAILABLE:
-        raise ModuleNotFoundError(
-            "triton_attention needs the triton package, which could not "
-            f"be imported ({_MISSING}): pip install triton==3.9.0 (Linux)"
-        )
+    _require_triton("triton_attention")
     from .attention import triton_attention as run
 
     return run(
         q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k
     )
+
+
+def triton_split_kv_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    num_splits: int | None = None,
+) -> Tensor:
+    """Attention for few queries and many keys, the keys split across programs.
+
+    The split-KV ("Flash-Decoding") kernel: each program attends one query
+    tile to one range of keys and writes that range's output and
+    logsumexp; the ranges are merged by a logsumexp-weighted sum. Same
+    arguments and result as :func:`triton_attention`, forward only (no
+    gradient). ``num_splits``: default, enough programs for every
+    multiprocessor of the GPU (132, an H100 SXM's, in the interpreter). See
+    :func:`mha.kernels.attention.split_kv_forward`.
+
+    Raises:
+        ModuleNotFoundError: Triton cannot be imported here.
+    """
+    _require_triton("triton_split_kv_attention")
+    from .attention import split_kv_forward
+
+    out, _ = split_kv_forward(
+        q, k, v, causal=causal, scale=scale, num_splits=num_splits
+    )
+    return out
+
+
+def _require_triton(name: str) -> None:
+    if not TRITON_AVAILABLE:
+        raise ModuleNotFoundError(
+            f"{name} needs the triton package, which could not "
+            f"be imported ({_MISSING}): pip install triton==3.9.0 (Linux)"
+        )
