@@ -61,6 +61,7 @@ __all__ = [
     "merge_partials",
     "tile_schedule",
     "group_heads",
+    "fused_forward_bytes",
     "FlashAttention",
     "flash_attention_torch",
 ]
@@ -369,6 +370,46 @@ def tile_schedule(
             whole = not causal or keep.all()
             tiles[i, cols.start // block_k] = 1 if whole else 2
     return tiles
+
+
+def fused_forward_bytes(
+    batch: int,
+    heads: int,
+    t_q: int,
+    t_k: int,
+    head_dim: int,
+    *,
+    kv_heads: int | None = None,
+    block_q: int | None = None,
+    bytes_per_element: int = 2,
+) -> int:
+    """Bytes a fused forward pass moves between main memory and the chip.
+
+    Every query head reads its q rows and writes its output rows once. Each
+    program (one query tile of one query head) streams all of its key/value
+    head's k and v: with ``block_q`` given, nothing is shared between
+    programs, so k and v are read ``ceil(T_q / block_q)`` times per query
+    head; with ``block_q=None`` each key/value head is read once, the best a
+    cache shared by the programs (the GPU's L2) can do. Non-causal.
+    """
+    kv_heads = heads if kv_heads is None else kv_heads
+    for name, value in (
+        ("batch", batch),
+        ("heads", heads),
+        ("t_q", t_q),
+        ("t_k", t_k),
+        ("head_dim", head_dim),
+        ("kv_heads", kv_heads),
+        ("bytes_per_element", bytes_per_element),
+    ):
+        check_int(name, value)
+    queries = 2 * heads * t_q * head_dim  # q read, output written
+    if block_q is None:
+        keys = 2 * kv_heads * t_k * head_dim  # k and v, once per head
+    else:
+        reads = math.ceil(t_q / check_int("block_q", block_q))
+        keys = reads * 2 * heads * t_k * head_dim
+    return batch * (queries + keys) * bytes_per_element
 
 
 # ---------------------------------------------------------------------------

@@ -138,6 +138,19 @@ def test_tile_schedule_by_hand() -> None:
     )
 
 
+def test_fused_forward_bytes_by_hand() -> None:
+    # B = 1, H = 2, T = 256, d_k = 64, 2 bytes: q and out are 2 * 2 * 256 * 64 = 65536
+    # elements; k and v read once per head are as many again: 262144 bytes in all. With query
+    # tiles of 64, each of the 4 tiles of each head reads k and v: 4 * 65536 elements.
+    assert flash.fused_forward_bytes(1, 2, 256, 256, 64) == 262144
+    assert flash.fused_forward_bytes(1, 2, 256, 256, 64, block_q=64) == (65536 + 262144) * 2
+    # GQA, 8 query heads on 2 key/value heads, read once: k and v of 2 heads only.
+    grouped = flash.fused_forward_bytes(1, 8, 100, 300, 128, kv_heads=2, bytes_per_element=4)
+    assert grouped == (2 * 8 * 100 * 128 + 2 * 2 * 300 * 128) * 4
+    with pytest.raises(ValueError, match="block_q must be a positive int, got 0"):
+        flash.fused_forward_bytes(1, 2, 256, 256, 64, block_q=0)
+
+
 def test_tiled_forward_holds_no_t_by_t_array(rng) -> None:
     # Peak of NumPy's own allocations (traced by tracemalloc) during one call, T = 1024: the
     # reference holds float64 (T, T) scores (8 MiB); the tiled pass only (64, 64) tiles.

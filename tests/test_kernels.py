@@ -198,6 +198,7 @@ def test_split_kv_splits_and_logsumexp() -> None:
     # in tiles of 32 make 10 tiles, so 10 splits; 200 programs: one split.
     assert default_num_splits(4, 300, 32, 132) == 10
     assert default_num_splits(4, 4096, 32, 132) == 33
+    assert default_num_splits(32, 4096, 64, 132) == 4  # 128 programs: one wave of 132
     assert default_num_splits(200, 4096, 32, 132) == 1
     q, k, v = _qkv(1, 4, 1, 3, 200, 32)
     _, lse = split_kv_forward(q, k, v, causal=True, num_splits=5)

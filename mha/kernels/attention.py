@@ -336,15 +336,65 @@ class Tiles:
 KERNELS = ("forward", "backward_dk_dv", "backward_dq", "split_kv")
 
 # Default tiles, chosen by compiling every kernel ahead of time (python -m
-# mha.kernels --inspect) so that no build spills registers to local memory
-# and the shared memory fits the GPU: (kernel, arch, bytes per element,
-# padded head size) -> Tiles. "sm_80" also serves the GPUs other than sm_90.
+# mha.kernels --inspect) so that no build at d_k 64 and 128 spills registers
+# to local memory and every program's shared memory fits the GPU: (kernel,
+# arch, bytes per element, padded head size) -> Tiles. Float32 products are
+# computed in full float32 by the CUDA cores (no tensor cores), which needs
+# far more registers: smaller tiles, more warps. At d_k = 256 in float32 the
+# backward dk/dv kernel still spills a little. "sm_80" also serves the GPUs
+# other than sm_90 (sm_86, sm_89: at most 99 KB of shared memory, which every
+# sm_80 build here fits).
 _TILES = {
-    (kernel, arch, size, dim): Tiles(64, 32, 4, 2)
-    for kernel in KERNELS
-    for arch in ("sm_80", "sm_90")
-    for size in (2, 4)
-    for dim in (16, 32, 64, 128, 256)
+    # 16-bit inputs (float16, bfloat16)
+    ("forward", "sm_80", 2, 64): Tiles(128, 64, 4, 3),
+    ("forward", "sm_80", 2, 128): Tiles(128, 64, 8, 3),
+    ("forward", "sm_80", 2, 256): Tiles(64, 32, 4, 2),
+    ("forward", "sm_90", 2, 64): Tiles(128, 64, 4, 3),
+    ("forward", "sm_90", 2, 128): Tiles(128, 64, 8, 3),
+    ("forward", "sm_90", 2, 256): Tiles(64, 64, 8, 2),
+    ("split_kv", "sm_80", 2, 64): Tiles(16, 64, 4, 3),
+    ("split_kv", "sm_80", 2, 128): Tiles(16, 64, 4, 3),
+    ("split_kv", "sm_80", 2, 256): Tiles(16, 32, 4, 2),
+    ("split_kv", "sm_90", 2, 64): Tiles(16, 64, 4, 3),
+    ("split_kv", "sm_90", 2, 128): Tiles(16, 64, 4, 3),
+    ("split_kv", "sm_90", 2, 256): Tiles(16, 32, 4, 2),
+    ("backward_dk_dv", "sm_80", 2, 64): Tiles(32, 64, 8, 2),
+    ("backward_dk_dv", "sm_80", 2, 128): Tiles(32, 64, 8, 2),
+    ("backward_dk_dv", "sm_80", 2, 256): Tiles(16, 32, 8, 2),
+    ("backward_dk_dv", "sm_90", 2, 64): Tiles(32, 64, 4, 2),
+    ("backward_dk_dv", "sm_90", 2, 128): Tiles(32, 64, 8, 2),
+    ("backward_dk_dv", "sm_90", 2, 256): Tiles(16, 32, 8, 2),
+    ("backward_dq", "sm_80", 2, 64): Tiles(64, 32, 4, 2),
+    ("backward_dq", "sm_80", 2, 128): Tiles(64, 32, 8, 2),
+    ("backward_dq", "sm_80", 2, 256): Tiles(32, 16, 8, 2),
+    ("backward_dq", "sm_90", 2, 64): Tiles(64, 32, 4, 2),
+    ("backward_dq", "sm_90", 2, 128): Tiles(64, 32, 8, 2),
+    ("backward_dq", "sm_90", 2, 256): Tiles(32, 16, 8, 2),
+    # float32 inputs: twice the bytes per element, smaller tiles
+    ("forward", "sm_80", 4, 64): Tiles(64, 32, 8, 2),
+    ("forward", "sm_80", 4, 128): Tiles(64, 32, 8, 2),
+    ("forward", "sm_80", 4, 256): Tiles(32, 32, 8, 2),
+    ("forward", "sm_90", 4, 64): Tiles(64, 32, 8, 2),
+    ("forward", "sm_90", 4, 128): Tiles(32, 32, 8, 2),
+    ("forward", "sm_90", 4, 256): Tiles(32, 32, 8, 2),
+    ("split_kv", "sm_80", 4, 64): Tiles(16, 32, 4, 2),
+    ("split_kv", "sm_80", 4, 128): Tiles(16, 16, 4, 2),
+    ("split_kv", "sm_80", 4, 256): Tiles(16, 16, 4, 2),
+    ("split_kv", "sm_90", 4, 64): Tiles(16, 32, 4, 2),
+    ("split_kv", "sm_90", 4, 128): Tiles(16, 16, 4, 2),
+    ("split_kv", "sm_90", 4, 256): Tiles(16, 16, 4, 2),
+    ("backward_dk_dv", "sm_80", 4, 64): Tiles(32, 32, 8, 2),
+    ("backward_dk_dv", "sm_80", 4, 128): Tiles(16, 16, 8, 2),
+    ("backward_dk_dv", "sm_80", 4, 256): Tiles(16, 16, 8, 2),
+    ("backward_dk_dv", "sm_90", 4, 64): Tiles(32, 32, 8, 2),
+    ("backward_dk_dv", "sm_90", 4, 128): Tiles(16, 16, 8, 2),
+    ("backward_dk_dv", "sm_90", 4, 256): Tiles(16, 16, 8, 2),
+    ("backward_dq", "sm_80", 4, 64): Tiles(32, 32, 8, 2),
+    ("backward_dq", "sm_80", 4, 128): Tiles(32, 32, 8, 2),
+    ("backward_dq", "sm_80", 4, 256): Tiles(16, 16, 8, 2),
+    ("backward_dq", "sm_90", 4, 64): Tiles(32, 32, 8, 2),
+    ("backward_dq", "sm_90", 4, 128): Tiles(32, 32, 8, 2),
+    ("backward_dq", "sm_90", 4, 256): Tiles(16, 16, 8, 2),
 }
 
 
@@ -358,7 +408,8 @@ def default_tiles(
     a GPU's compute capability ((8, 0) is the A100, (9, 0) the H100)."""
     arch = "sm_90" if capability[0] in (9, 10) else "sm_80"
     size = torch.empty((), dtype=dtype).element_size()
-    return _TILES[kernel, arch, min(size, 4), padded_head_dim(head_dim)]
+    dim = max(64, padded_head_dim(head_dim))  # d_k 16, 32: d_k 64's tiles
+    return _TILES[kernel, arch, min(size, 4), dim]
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -370,10 +421,18 @@ def default_num_splits(
     programs: int, t_k: int, block_k: int, multiprocessors: int
 ) -> int:
     """Key splits for a decoding pass of ``programs`` (query tile, head)
-    pairs: enough for one program per multiprocessor, each split at least
-    one key tile long."""
-    wanted = -(-multiprocessors // programs)  # ceil
+    pairs: as many as keep every program of a split in one wave (one
+    program per multiprocessor), each split at least one key tile long."""
+    wanted = multiprocessors // programs
     return max(1, min(wanted, triton.cdiv(t_k, block_k)))
+
+
+def split_sizes(t_k: int, num_splits: int, block_k: int) -> tuple[int, int]:
+    """Keys per split, a whole number of key tiles, and the splits that
+    makes (at most ``num_splits``)."""
+    check_int("num_splits", num_splits)
+    tiles = triton.cdiv(triton.cdiv(t_k, num_splits), block_k)
+    return tiles * block_k, triton.cdiv(t_k, tiles * block_k)
 
 
 #: Streaming multiprocessors assumed where no GPU says: the H100 SXM's 132.
@@ -562,10 +621,7 @@ def split_kv_forward(
         num_splits = default_num_splits(
             programs, t_k, tiles.block_k, _multiprocessors(q.device)
         )
-    check_int("num_splits", num_splits)
-    keys = triton.cdiv(triton.cdiv(t_k, num_splits), tiles.block_k)
-    keys_per_split = keys * tiles.block_k  # whole key tiles per split
-    splits = triton.cdiv(t_k, keys_per_split)
+    keys_per_split, splits = split_sizes(t_k, num_splits, tiles.block_k)
     partial = torch.empty(
         (batch, heads, splits, t_q, d_k), dtype=torch.float32, device=q.device
     )
