@@ -141,7 +141,8 @@ def _ptxas_version(name: str) -> str:
     text = subprocess.run(
         [path, "--version"], capture_output=True, text=True, check=True
     ).stdout
-    return text.strip().splitlines()[-1]
+    release = [line for line in text.splitlines() if "release" in line]
+    return (release or text.strip().splitlines())[-1].strip()
 
 
 def _in_a_compiling_process(argv: list[str]) -> int:

@@ -375,7 +375,7 @@ _TILES = {
     ("forward", "sm_80", 4, 128): Tiles(64, 32, 8, 2),
     ("forward", "sm_80", 4, 256): Tiles(32, 32, 8, 2),
     ("forward", "sm_90", 4, 64): Tiles(64, 32, 8, 2),
-    ("forward", "sm_90", 4, 128): Tiles(32, 32, 8, 2),
+    ("forward", "sm_90", 4, 128): Tiles(64, 16, 8, 2),
     ("forward", "sm_90", 4, 256): Tiles(32, 32, 8, 2),
     ("split_kv", "sm_80", 4, 64): Tiles(16, 32, 4, 2),
     ("split_kv", "sm_80", 4, 128): Tiles(16, 16, 4, 2),
