@@ -15,9 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from argparse import SUPPRESS
 from pathlib import Path
 
 from . import INTERPRETED, TRITON_AVAILABLE
@@ -107,6 +110,8 @@ def parser() -> argparse.ArgumentParser:
         type=Path,
         help="also write the rows and the environment to this JSON file",
     )
+    # set by the command for the process it starts to compile in
+    p.add_argument("--compiling-process", action="store_true", help=SUPPRESS)
     return p
 
 
@@ -146,12 +151,22 @@ def _ptxas_version(name: str) -> str:
 
 
 def _in_a_compiling_process(argv: list[str]) -> int:
-    """Run this command again with TRITON_INTERPRET=0: the kernels are
-    decorated when first imported, and this process decorated them for the
-    interpreter."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    """Run this command again with TRITON_INTERPRET=0 and an empty cache.
+
+    The kernels are decorated when first imported (this process may have
+    decorated them for the interpreter), and an empty Triton cache makes
+    every build compile, so that the time reported is the compiler's.
+    """
+    cache = tempfile.mkdtemp(prefix="mha-kernels-inspect-")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": cache}
     command = [sys.executable, "-m", "mha.kernels", *argv]
-    return subprocess.run(command, env=env, check=False).returncode
+    try:
+        done = subprocess.run(
+            [*command, "--compiling-process"], env=env, check=False
+        )
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    return done.returncode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,8 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     if not TRITON_AVAILABLE:
         print("--inspect needs the triton package (Linux)", file=sys.stderr)
         return 1
-    if INTERPRETED:
+    if not args.compiling_process:
         return _in_a_compiling_process(argv)
+    if INTERPRETED:  # TRITON_INTERPRET=1 was set by hand
+        print("--inspect compiles: unset TRITON_INTERPRET", file=sys.stderr)
+        return 1
     from .aot import inspect_builds
 
     if args.cubin_dir is not None:
@@ -175,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.output is not None:
+        shown = [arg for arg in argv if arg != "--compiling-process"]
         result = {
-            "command": "python -m mha.kernels " + " ".join(argv),
+            "command": "python -m mha.kernels " + " ".join(shown),
             "environment": _environment(args, time.perf_counter() - start),
             "builds": rows,
         }
