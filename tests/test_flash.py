@@ -229,6 +229,23 @@ def test_torch_decode_shapes_forward_and_backward(heads, kv_heads, t_q, t_k, rng
         )
 
 
+@pytest.mark.parametrize("d_k", [40, 80, 96, 256])
+def test_torch_head_sizes_people_run(d_k, rng) -> None:
+    # GQA, a chunk of 3 queries after 9 cached keys, causal, float64: forward and gradients.
+    q = rng.normal(size=(1, 4, 3, d_k))
+    k, v = rng.normal(size=(2, 1, 2, 12, d_k))
+    d_out = rng.normal(size=(1, 4, 3, d_k))
+    leaves = [torch.tensor(t, requires_grad=True) for t in (q, k, v)]
+    out, _ = flash.flash_attention_torch(*leaves, causal=True, block_q=2, block_k=5)
+    expected = _reference(q, k, v, True)
+    np.testing.assert_allclose(out.detach().numpy(), expected, rtol=1e-12, atol=1e-12)
+    out.backward(torch.tensor(d_out))
+    for name, leaf, expected in zip("qkv", leaves, _autograd_gradients(q, k, v, d_out, True)):
+        np.testing.assert_allclose(
+            leaf.grad.numpy(), expected, rtol=1e-10, atol=1e-12, err_msg=f"d{name}"
+        )
+
+
 def test_grouped_heads_are_views_not_copies(rng) -> None:
     # Query head h reads key/value head h // (H / H_kv): heads 0, 1 read kv head 0; 2, 3 read 1.
     q = rng.normal(size=(4, 3, 8))

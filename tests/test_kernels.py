@@ -140,6 +140,34 @@ def test_queries_that_see_no_key_give_zero() -> None:
     _check(out, q, k, v, True)
 
 
+def test_a_scale_and_the_default_tiles() -> None:
+    # float16 at the default tiles, with a scale of 0.05 instead of 1/sqrt(d_k).
+    q, k, v = _qkv(1, 2, 1, 70, 70, 48, torch.float16)
+    out = kernels.triton_attention(q, k, v, causal=True, scale=0.05)
+    k_all, v_all = _repeat_kv(q, k, v)
+    arrays = [t.cpu().double().numpy() for t in (q, k_all, v_all)]
+    expected = reference.scaled_dot_product_attention(
+        *arrays, reference.causal_mask(70), scale=0.05
+    )[0]
+    np.testing.assert_allclose(out.cpu().double().numpy(), expected, rtol=2e-3, atol=2e-3)
+
+
+def test_default_tiles_cover_every_kernel_gpu_dtype_and_head_size() -> None:
+    from mha.kernels.attention import KERNELS, default_tiles, padded_head_dim
+
+    assert [padded_head_dim(d) for d in (1, 16, 17, 40, 64, 80, 111, 128, 160, 256)] == [
+        16, 16, 32, 64, 64, 128, 128, 128, 256, 256,
+    ]  # fmt: skip
+    for kernel in KERNELS:
+        for capability in ((8, 0), (8, 6), (9, 0)):
+            for dtype in (torch.float16, torch.bfloat16, torch.float32):
+                for d_k in (1, 40, 64, 96, 128, 200, 256):
+                    tiles = default_tiles(kernel, d_k, dtype, capability)
+                    for size in (tiles.block_q, tiles.block_k):
+                        assert size >= 16 and size & (size - 1) == 0  # tl.dot's tiles
+                    assert tiles.num_warps in (4, 8) and tiles.num_stages in (2, 3)
+
+
 def test_strided_views_need_no_copy() -> None:
     # Heads split from (B, T, D) are a transposed view: strides (T*D, d_k, D, 1).
     x = _inputs(2, 24, 64, seeds=(6,))[0]  # (B, T, D)
@@ -236,6 +264,7 @@ def _autograd_gradients(q, k, v, d_out, causal: bool):
         (5, 37, 4, 2, 80, True),  # chunked prefill, GQA, d_k padded to 128
         (37, 5, 4, 2, 59, True),  # more queries than keys: 32 see no key
         (20, 45, 2, 1, 32, False),
+        (3, 20, 2, 1, 256, True),  # the largest head size
     ],
 )
 def test_backward_equals_autograd(t_q, t_k, heads, kv_heads, d_k, causal) -> None:

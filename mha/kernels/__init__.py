@@ -1,8 +1,14 @@
-"""GPU kernels written in Triton, runnable on a CPU by Triton's interpreter.
+"""Attention kernels in Triton, for NVIDIA GPUs and Triton's CPU interpreter.
 
 :func:`triton_attention` is the tiled attention of :mod:`mha.flash` as one
-Triton kernel (and two more for its backward pass). Importing this package
-never fails: not where Triton is missing, not where there is no GPU.
+Triton kernel (and two more for its backward pass);
+:func:`triton_split_kv_attention` splits the keys of a decoding step across
+programs. Causal attention is aligned bottom-right; keys and values may have
+fewer heads than the queries (GQA, MQA); any head size up to 256. The kernels
+are compiled ahead of time for sm_80 (A100) and sm_90 (H100) and inspected by
+``python -m mha.kernels --inspect`` (:mod:`mha.kernels.aot`); the project's
+own checks run them in the interpreter, never on a GPU. Importing this
+package never fails: not where Triton is missing, not where there is no GPU.
 
 Compiled or interpreted? Triton decides when ``@triton.jit`` decorates a
 kernel, which happens when :mod:`mha.kernels.attention` is first imported:

@@ -1,4 +1,4 @@
-"""Tiled attention in Triton: the algorithm of :mod:`mha.flash` as GPU kernels.
+"""Tiled attention in Triton: the algorithm of :mod:`mha.flash` as kernels.
 
 Import :mod:`mha.kernels` (which decides between the compiled kernels and
 Triton's CPU interpreter) rather than this module directly.
@@ -6,27 +6,40 @@ Triton's CPU interpreter) rather than this module directly.
 A Triton kernel is written for one *program*: a block of work that the GPU
 runs on one streaming multiprocessor, thousands of them in parallel. Here
 one program computes one tile of ``BLOCK_Q`` queries of one (batch, head):
-the same loop over key tiles as :func:`mha.flash.flash_attention`, with the
+the same loop over key tiles as :func:`mha.flash.online_softmax`, with the
 running maximum ``m``, sum ``ell`` and weighted values ``acc`` held on chip
 (in registers). Tensors are addressed with plain pointer arithmetic: a base
 pointer plus offsets times strides, so views such as the transposed heads of
 :func:`mha.functional.split_heads` need no copy. Loads and stores of rows past
-the end of the sequence are masked, so T need not be a multiple of the tile.
+the end of the sequence are masked, so T need not be a multiple of the tile;
+the head size is padded to a power of two (``PADDED_DIM``) the same way.
+Causal attention is aligned bottom-right (query i sees keys 0..i + T_k -
+T_q); query head h reads key/value head ``h // group``.
 
 * :func:`attention_forward` - the forward kernel; returns output and
   logsumexp (one float32 per query).
-* :func:`attention_backward` - two kernels (one program per key tile for
-  dk and dv, one per query tile for dq) that recompute the weights from the
-  logsumexp, as :func:`mha.flash.flash_attention_backward` does.
-* :func:`triton_attention` - both, tied together for autograd.
+* :func:`attention_backward` - two kernels (one program per key tile of a
+  key/value head for dk and dv, summed over the head's group of query heads;
+  one per query tile for dq) that recompute the weights from the logsumexp,
+  as :func:`mha.flash.flash_attention_backward` does. No atomic additions.
+* :func:`split_kv_forward` - the split-KV ("Flash-Decoding") kernel and the
+  merge of its partial results.
+* :func:`triton_attention` - forward and backward, tied together for
+  autograd.
+* :func:`forward_launch`, :func:`backward_launches`, :func:`split_kv_launch`
+  - each launch as data (:class:`Launch`), which :mod:`mha.kernels.aot`
+  compiles ahead of time for a named GPU; :func:`default_tiles` - the tile
+  sizes, warps and stages per GPU, dtype and head size.
 
 The kernels call Triton's built-in operations and the small ``@triton.jit``
 helpers defined here, never the jitted helpers of ``triton.language``
 (``tl.zeros``, ``tl.max``, ``tl.sum``): those were decorated when ``triton``
 was imported, possibly before :mod:`mha.kernels` chose the interpreter, and
 a compiled helper cannot be called from an interpreted kernel. Row maxima
-and sums are therefore written as ``tl.reduce`` with :func:`_maximum` and
-:func:`_add`, which is how ``tl.max`` and ``tl.sum`` are defined.
+and sums are therefore ``tl.reduce`` with the combine functions of
+``tl.max`` and ``tl.sum`` (``_maximum``, ``_add``), which is how those two
+are defined; a combine function is never called by the interpreter, which
+recognises these two and reduces with NumPy.
 
 Offsets are 32-bit: tensors up to 2**31 elements.
 """
