@@ -165,7 +165,7 @@ def test_default_tiles_cover_every_kernel_gpu_dtype_and_head_size() -> None:
                     tiles = default_tiles(kernel, d_k, dtype, capability)
                     for size in (tiles.block_q, tiles.block_k):
                         assert size >= 16 and size & (size - 1) == 0  # tl.dot's tiles
-                    assert tiles.num_warps in (4, 8) and tiles.num_stages in (2, 3)
+                    assert tiles.num_warps in (4, 8) and tiles.num_stages in (1, 2, 3)
 
 
 def test_strided_views_need_no_copy() -> None:

@@ -1,12 +1,13 @@
 """``python -m mha.kernels --inspect``: compile every kernel ahead of time.
 
-For each kernel (forward, the two backward kernels, split-KV), GPU (``sm_80``,
-the A100; ``sm_90``, the H100), dtype and head size, the kernel is compiled at
-its default launch settings, without a GPU, and one JSON line is printed:
-kernel, arch, dtype, head_dim, block_q, block_k, num_warps, num_stages,
-registers, stack_bytes, spill_bytes, shared_bytes, tensor_core_instructions
-and cubin (the file written to ``--cubin-dir``, or null). ``--output`` also
-writes every line, with the environment (versions, date, commit), to one JSON
+For each kernel (forward, the two backward kernels, split-KV), GPU
+(``sm_80``, the A100; ``sm_90``, the H100), dtype and head size (64, 128,
+256 by default), the kernel is compiled at its default launch settings,
+without a GPU, and one JSON line is printed: kernel, arch, dtype, head_dim,
+block_q, block_k, num_warps, num_stages, registers, stack_bytes, spill_bytes,
+shared_bytes, tensor_core_instructions and cubin (the file written to
+``--cubin-dir``, or null). ``--output`` also writes every line, with the
+environment (versions, date, commit), to one JSON
 file. See :mod:`mha.kernels.aot`.
 """
 
@@ -91,8 +92,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--head-dim",
         type=_head_dims,
-        default=(64, 128),
-        help="comma-separated head sizes d_k (1 to 256); default 64,128",
+        default=(64, 128, 256),
+        help="comma-separated head sizes d_k (1 to 256); default 64,128,256",
     )
     p.add_argument(
         "--kernel",

@@ -193,7 +193,7 @@ def read_build(compiled, arch: str) -> dict:
 def inspect_builds(
     archs=("sm_80", "sm_90"),
     dtypes=("float16", "bfloat16", "float32"),
-    head_dims=(64, 128),
+    head_dims=(64, 128, 256),
     kernel_names=kernels.KERNELS,
     cubin_dir: Path | None = None,
 ) -> Iterator[dict]:
