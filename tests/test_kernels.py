@@ -153,7 +153,7 @@ def test_a_scale_and_the_default_tiles() -> None:
 
 
 def test_default_tiles_cover_every_kernel_gpu_dtype_and_head_size() -> None:
-    from mha.kernels.attention import KERNELS, default_tiles, padded_head_dim
+    from mha.kernels.tiles import KERNELS, default_tiles, padded_head_dim
 
     assert [padded_head_dim(d) for d in (1, 16, 17, 40, 64, 80, 111, 128, 160, 256)] == [
         16, 16, 32, 64, 64, 128, 128, 128, 256, 256,
@@ -394,8 +394,9 @@ def test_import_works_without_triton() -> None:
     code = (
         "import sys\n"
         "sys.modules['triton'] = None  # as if it were not installed\n"
-        "import mha, mha.kernels, torch\n"
+        "import mha, mha.kernels, mha.kernels.tiles, torch\n"
         "assert not mha.kernels.TRITON_AVAILABLE and mha.kernels.INTERPRETED is None\n"
+        "assert mha.kernels.tiles.default_tiles('forward', 80, torch.float16).block_q\n"
         "q = torch.zeros(1, 1, 16, 16)\n"
         "try:\n"
         "    mha.kernels.triton_attention(q, q, q)\n"

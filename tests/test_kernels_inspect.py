@@ -128,7 +128,7 @@ def test_committed_inspection_covers_every_build_without_spills() -> None:
 
 def test_committed_inspection_used_the_default_tiles() -> None:
     import torch
-    from mha.kernels.attention import default_tiles
+    from mha.kernels.tiles import default_tiles
 
     dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
     capability = {"sm_80": (8, 0), "sm_90": (9, 0)}

@@ -37,6 +37,7 @@ from triton.runtime.jit import create_function_from_signature
 
 from . import INTERPRETED
 from . import attention as kernels
+from .tiles import SHARED_LIMIT
 
 __all__ = [
     "ARCHS",
@@ -51,11 +52,6 @@ __all__ = [
 
 #: Targets by name: compute capability (A100: sm_80, H100: sm_90).
 ARCHS = {"sm_80": 80, "sm_90": 90}
-
-#: The most shared memory one program may use (bytes): 163 KB on compute
-#: capability 8.0 and 227 KB on 9.0 (CUDA C++ Programming Guide, technical
-#: specifications per compute capability).
-SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
 
 DTYPES = {
     "float16": torch.float16,
