@@ -60,6 +60,7 @@ _LAZY = {
     "flash_attention_torch": "mha.flash",
     "FlashAttention": "mha.flash",
     "tile_schedule": "mha.flash",
+    "split_kv_attention": "mha.flash",
     "HeadShard": "mha.parallel",
     "shard_heads": "mha.parallel",
     "parallelize_heads": "mha.parallel",
