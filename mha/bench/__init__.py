@@ -1,16 +1,13 @@
 """The benchmark harness: ``python -m mha.bench {layer,decode}``.
 
-Times implementations of the same computation side by side, on the CPU or a
-CUDA GPU, in interleaved rounds, and reports medians and paired time ratios
-with the environment they were measured in: ``layer`` one multi-head
-self-attention layer against T, ``decode`` one generated token against the
-context. Rooms: :mod:`~mha.bench.registry` (one entry = one decorated
-builder), the entries (:mod:`~mha.bench.implementations`,
-:mod:`~mha.bench.decode_steps`), the benchmarks (:mod:`~mha.bench.layer`,
-:mod:`~mha.bench.decode`), the one measurement loop
+Implementations of one computation timed side by side, on the CPU or a CUDA
+GPU, in interleaved rounds; medians and paired ratios with the environment.
+Rooms: :mod:`~mha.bench.registry`, the entries
+(:mod:`~mha.bench.implementations`, :mod:`~mha.bench.decode_steps`), the
+benchmarks (:mod:`~mha.bench.layer`, :mod:`~mha.bench.decode`), the one loop
 (:mod:`~mha.bench.timing`), :mod:`~mha.bench.memory`,
-:mod:`~mha.bench.report`, :mod:`~mha.bench.environment`, :mod:`~mha.bench.cli`.
-README.md says how to add an entry or a benchmark.
+:mod:`~mha.bench.report`, :mod:`~mha.bench.environment`,
+:mod:`~mha.bench.cli`. README.md: adding an entry or a benchmark.
 """
 
 from __future__ import annotations

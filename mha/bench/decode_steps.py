@@ -49,6 +49,18 @@ def _compile(call: Runner, reset: Runner) -> Runner:
     return compiled
 
 
+def _repeat(reset: Runner, call: Runner, compiled: bool) -> Runner:
+    """The same step every call: ``reset`` the cache, then ``call`` (compiled
+    first where asked)."""
+    call = _compile(call, reset) if compiled else call
+
+    def step() -> Tensor:
+        reset()
+        return call()
+
+    return step
+
+
 @_step("no_cache", "the whole sequence again, causal; its last row")
 def no_cache(layer: nn.Module, context: Tensor, x_new: Tensor) -> Runner:
     sequence = torch.cat((context, x_new), dim=1)  # (B, T + 1, D)
@@ -74,14 +86,7 @@ def _ours(preallocated: bool, compiled: bool = False) -> Callable:
         def call() -> Tensor:
             return layer(x_new, cache=cache)  # (B, 1, D)
 
-        if compiled:
-            call = _compile(call, reset)
-
-        def step() -> Tensor:
-            reset()
-            return call()
-
-        return step
+        return _repeat(reset, call, compiled)
 
     return build
 
@@ -161,14 +166,7 @@ def _theirs(static: bool, compiled: bool = False) -> Callable:
             cos_sin = rotary(x_new, positions[:, T:])
             return theirs(x_new, cos_sin, None, past_key_values=cache)[0]
 
-        if compiled:
-            call = _compile(call, reset)
-
-        def step() -> Tensor:
-            reset()
-            return call()
-
-        return step
+        return _repeat(reset, call, compiled)
 
     return build
 
