@@ -3,7 +3,8 @@
 The package behind the book. Each module has one purpose; the chapters that
 read it and the tests that pin it are listed with it (README.md has the table):
 
-* :mod:`mha.reference` - the math, in NumPy (chapters 01-07; test_reference)
+* :mod:`mha.reference` - the math, in NumPy (chapters 01-07, 15;
+  test_reference, test_variants)
 * :mod:`mha._validate` - the one error policy (all; every error test)
 * :mod:`mha.functional` - torch building blocks (08, 09; test_functional)
 * :mod:`mha.worked_example` - the 2-head worked example (04)
@@ -18,6 +19,8 @@ read it and the tests that pin it are listed with it (README.md has the table):
 * :mod:`mha.flash` - tiled online-softmax attention (13; test_flash)
 * :mod:`mha.kernels` - Triton attention kernels (13; test_kernels)
 * :mod:`mha.parallel` - heads across processes (14; test_parallel)
+* :mod:`mha.variants` - masks and scores as functions, FlexAttention (15;
+  test_variants)
 
 The order inside a topic: the NumPy reference first, then the torch or fast
 version, tests that pin one to the other, a benchmark entry, the chapter.
@@ -58,6 +61,7 @@ _LAZY = {
     "parallelize_heads": "mha.parallel",
     "copy_to_ranks": "mha.parallel",
     "sum_over_ranks": "mha.parallel",
+    "RollingKVCache": "mha.variants",
 }
 
 __all__ = [*reference.__all__, *_LAZY]

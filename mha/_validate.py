@@ -12,6 +12,7 @@ Checks return the value they accept, so a caller can write
 
 from __future__ import annotations
 
+import math
 import numbers
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "check_divisible",
     "check_probability",
     "check_choice",
+    "check_positive",
     "shape_text",
 ]
 
@@ -71,6 +73,19 @@ def check_choice(
             f"got {value!r}"
         )
     return value
+
+
+def check_positive(name: str, value: object) -> float:
+    """``value`` as a ``float``: a real number, finite and above zero."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a float, got {type(value).__name__} {value!r}"
+        )
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{name} must be a positive finite float, got {value}"
+        )
+    return float(value)
 
 
 def shape_text(expected: dict[str, tuple[int, ...]]) -> str:
