@@ -41,6 +41,7 @@ __all__ = [
     "causal_mask",
     "padding_mask",
     "sliding_window_mask",
+    "sink_window_mask",
     "document_mask",
     "prefix_lm_mask",
     "alibi_slopes",
@@ -285,6 +286,22 @@ def sliding_window_mask(
     window = check_int("window", window)
     distance = np.arange(t_q)[:, None] - np.arange(t_k)[None, :]  # i - j
     return (distance >= 0) & (distance < window)
+
+
+def sink_window_mask(
+    t_q: int, t_k: int | None = None, *, window: int, sinks: int
+) -> NDArray[np.bool_]:
+    """A sliding window that also keeps the first ``sinks`` keys.
+
+    Query i sees keys j <= i with i - window < j or j < sinks: StreamingLLM's
+    attention sinks (Xiao et al. 2024), which keep the first tokens that
+    trained models give much weight to, and a window of the newest.
+    """
+    window_keys = sliding_window_mask(t_q, t_k, window=window)
+    t_k = window_keys.shape[1]
+    sinks = check_int("sinks", sinks, minimum=0)
+    first = np.arange(t_k)[None, :] < sinks  # (1, T_k)
+    return window_keys | (first & causal_mask(t_q, t_k))
 
 
 def document_mask(doc_ids: ArrayLike) -> NDArray[np.bool_]:

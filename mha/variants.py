@@ -13,12 +13,13 @@ and records which tiles are empty (skipped), full (no mask needed) or partly
 masked; ``torch.compile(flex_attention)`` turns the functions into one fused
 kernel that visits only the tiles that are not empty.
 
-Here: mask_mods :func:`causal`, :func:`sliding_window`, :func:`document`,
-:func:`prefix_lm`; score_mods :func:`alibi`, :func:`softcap`; :func:`flex`,
-which checks its inputs, builds the block mask and calls FlexAttention;
-:func:`tile_states`, what a block mask skips; :class:`RollingKVCache`, the
-``window`` newest keys and values of a sliding-window decoder. Each function
-has a dense NumPy twin in :mod:`mha.reference` (``sliding_window_mask``,
+Here: mask_mods :func:`causal`, :func:`sliding_window`, :func:`sink_window`,
+:func:`document`, :func:`prefix_lm`; score_mods :func:`alibi`,
+:func:`softcap`; :func:`flex`, which checks its inputs, builds the block mask
+and calls FlexAttention; :func:`tile_states`, what a block mask skips;
+:class:`RollingKVCache`, the ``window`` newest keys and values of a
+sliding-window decoder. Each function has a dense NumPy twin in
+:mod:`mha.reference` (``sliding_window_mask``, ``sink_window_mask``,
 ``document_mask``, ``prefix_lm_mask``, ``alibi_bias``, ``softcap``).
 
 Every parameter (a window, document ids, slopes, a cap) is held as a tensor
@@ -53,6 +54,7 @@ __all__ = [
     "ScoreMod",
     "causal",
     "sliding_window",
+    "sink_window",
     "document",
     "prefix_lm",
     "alibi",
@@ -85,6 +87,21 @@ def sliding_window(window: int) -> MaskMod:
         return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
     return sliding_window_mask
+
+
+def sink_window(window: int, sinks: int) -> MaskMod:
+    """A sliding window plus the first ``sinks`` keys (attention sinks).
+
+    Query i sees keys j <= i with i - window < j or j < sinks.
+    """
+    window = torch.tensor(check_int("window", window))
+    sinks = torch.tensor(check_int("sinks", sinks, minimum=0))
+
+    def sink_window_mask(b, h, q_idx, kv_idx):
+        near = q_idx - kv_idx < window
+        return (q_idx >= kv_idx) & (near | (kv_idx < sinks))
+
+    return sink_window_mask
 
 
 def document(doc_ids: ArrayLike | Tensor) -> MaskMod:

@@ -69,6 +69,34 @@ def test_sliding_window_mask_equals_transformers(t_q, t_k, window) -> None:
         np.testing.assert_array_equal(mask, reference.causal_mask(t_q, t_k))
 
 
+def test_sink_window_mask_by_hand() -> None:
+    # window 2, one sink: the first key stays visible to every later query
+    expected = np.array(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [1, 1, 1, 0, 0],
+            [1, 0, 1, 1, 0],
+            [1, 0, 0, 1, 1],
+        ],
+        dtype=bool,
+    )
+    np.testing.assert_array_equal(reference.sink_window_mask(5, window=2, sinks=1), expected)
+
+
+@pytest.mark.parametrize("t_q, t_k, window, sinks", [(9, 9, 3, 2), (6, 11, 4, 3), (8, 8, 2, 0)])
+def test_sink_window_mask_equals_transformers_pieces(t_q, t_k, window, sinks) -> None:
+    def first_keys(b, h, q_idx, kv_idx):
+        return kv_idx < sinks
+
+    theirs = masking_utils.or_masks(
+        masking_utils.sliding_window_causal_mask_function(window),
+        masking_utils.and_masks(masking_utils.causal_mask_function, first_keys),
+    )
+    mask = reference.sink_window_mask(t_q, t_k, window=window, sinks=sinks)
+    np.testing.assert_array_equal(mask, _grid(theirs, t_q, t_k))
+
+
 def test_document_mask_by_hand() -> None:
     expected = np.array(
         [
@@ -199,6 +227,9 @@ def _case(name: str, num_heads: int, t_q: int, t_k: int):
             reference.sliding_window_mask(t_q, t_k, window=37),
             None,
         )
+    if name == "sink_window":
+        twin = reference.sink_window_mask(t_q, t_k, window=37, sinks=5)
+        return variants.sink_window(37, 5), None, twin, None
     if name == "document":
         return variants.document(DOC_IDS), None, reference.document_mask(DOC_IDS), None
     if name == "prefix_lm":
@@ -221,7 +252,7 @@ def _case(name: str, num_heads: int, t_q: int, t_k: int):
     raise ValueError(name)
 
 
-VARIANTS = ["sliding_window", "document", "prefix_lm", "alibi", "softcap"]
+VARIANTS = ["sliding_window", "sink_window", "document", "prefix_lm", "alibi", "softcap"]
 
 
 def _inputs(B, H, H_kv, t_q, t_k, d, dtype=torch.float64, scale=1.0):
@@ -323,6 +354,7 @@ def test_compiled_16_bit_within_sdpas_error(dtype) -> None:
 def test_dense_mask_is_the_twin() -> None:
     for mask_mod, twin in [
         (variants.causal, reference.causal_mask(9, 12)),
+        (variants.sink_window(3, 2), reference.sink_window_mask(9, 12, window=3, sinks=2)),
         (variants.sliding_window(4), reference.sliding_window_mask(9, 12, window=4)),
         (variants.prefix_lm(5), reference.prefix_lm_mask(9, 12, prefix_len=5)),
     ]:
@@ -348,6 +380,7 @@ def _tiles_of(mask: np.ndarray, block: int) -> np.ndarray:
         (variants.sliding_window(256), reference.sliding_window_mask(1024, window=256)),
         (variants.sliding_window(100), reference.sliding_window_mask(1000, 700, window=100)),
         (variants.prefix_lm(300), reference.prefix_lm_mask(1024, prefix_len=300)),
+        (variants.sink_window(200, 4), reference.sink_window_mask(1024, window=200, sinks=4)),
         (variants.document(np.repeat([0, 1, 2], [300, 500, 224])), None),
     ],
 )
@@ -468,6 +501,9 @@ def test_rolling_cache_reset_and_views() -> None:
         (lambda: variants.sliding_window(-3), ValueError, "window must be a positive int"),
         (lambda: variants.sliding_window(2.5), TypeError, "window must be an int, got float"),
         (lambda: variants.prefix_lm(-1), ValueError, "prefix_len must be an int >= 0"),
+        (lambda: variants.sink_window(0, 4), ValueError, "window must be a positive int"),
+        (lambda: variants.sink_window(8, -1), ValueError, "sinks must be an int >= 0, got -1"),
+        (lambda: variants.sink_window(8, 1.0), TypeError, "sinks must be an int, got float"),
         (
             lambda: variants.softcap(0.0),
             ValueError,
