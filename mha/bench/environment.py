@@ -9,60 +9,49 @@ import datetime as _dt
 import os
 import platform
 import subprocess
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["device_name", "environment"]
+__all__ = ["device_name", "environment", "describe", "git_commit"]
+__all__ += ["load_average"]
 
 
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+            lines = [line for line in cpuinfo if line.startswith("model name")]
+        return lines[0].split(":", 1)[1].strip()
+    except (OSError, IndexError):
+        return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def _git_commit(
-    root: Path | None = None,
-) -> tuple[str | None, bool | None]:
-    """(commit, dirty) of the repository holding this package, if any.
+def git_commit(root: Path | None = None) -> tuple[str | None, bool | None]:
+    """(commit, dirty) of the repository holding ``root`` (this package).
 
     ``dirty`` is True if tracked files other than the results under
     ``benchmarks/`` differ from the commit: replacing old results is not
-    a change of the code that measures them.
+    a change of the code that measures them. (None, None) outside git.
     """
-    if root is None:
-        root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-
+    root = root or Path(__file__).resolve().parent.parent
     try:
-        commit = git("rev-parse", "HEAD")
-        top = git("rev-parse", "--show-toplevel")
-        status = git(
-            "-C",
-            top,
-            "status",
-            "--porcelain",
-            "--untracked-files=no",
-            "--",
-            ".",
-            ":(exclude)benchmarks",
+        commit, status = (
+            subprocess.run(
+                ["git", *args],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout.strip()
+            for args in (
+                ("rev-parse", "HEAD"),
+                ("status", "--porcelain", "--untracked-files=no", "--")
+                + (":(top)", ":(top,exclude)benchmarks"),
+            )
         )
         return commit or None, bool(status)
     except (OSError, subprocess.SubprocessError):
@@ -70,57 +59,41 @@ def _git_commit(
 
 
 def device_name(device: torch.device | str) -> str:
-    """The GPU's name or the CPU's model.
-
-    The name comes from ``torch.cuda.get_device_name``, the model from
-    ``/proc/cpuinfo``.
-    """
+    """The GPU's name (``torch.cuda``) or the CPU's model (/proc/cpuinfo)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.get_device_name(
-            device.index
-            if device.index is not None
-            else torch.cuda.current_device()
-        )
+        return torch.cuda.get_device_name(device)
     return _cpu_model()
 
 
 def environment(device: torch.device | str, dtype: str) -> dict[str, Any]:
     """What the figures depend on.
 
-    Device and its name, versions, dtype, threads, date, commit.
+    Device and its name, versions, dtype, threads, date, commit, load.
     """
     device = torch.device(device)
-    commit, dirty = _git_commit()
-    capability = None
-    if device.type == "cuda":
-        index = (
-            device.index
-            if device.index is not None
-            else torch.cuda.current_device()
-        )
-        capability = ".".join(
-            map(str, torch.cuda.get_device_capability(index))
-        )
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        affinity = os.cpu_count()
+    on_gpu = device.type == "cuda"
+    commit, dirty = git_commit()
     return {
         "device": device.type,
         "device_name": device_name(device),
-        "cuda_capability": capability,
-        "cuda_version": torch.version.cuda,
-        "cudnn_version": torch.backends.cudnn.version()
-        if device.type == "cuda"
+        "cuda_capability": ".".join(
+            map(str, torch.cuda.get_device_capability(device))
+        )
+        if on_gpu
         else None,
+        "cuda_version": torch.version.cuda,
+        "cudnn_version": torch.backends.cudnn.version() if on_gpu else None,
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
-        "cpus_available": affinity,
+        "cpus_available": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
         "threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "torch_version": torch.__version__,
         "numpy_version": np.__version__,
+        "transformers_version": _version("transformers"),
         "python_version": platform.python_version(),
         "platform": platform.platform(),
         "dtype": dtype,
@@ -129,7 +102,29 @@ def environment(device: torch.device | str, dtype: str) -> dict[str, Any]:
         ),
         "git_commit": commit,
         "git_dirty": dirty,
-        "load_average_1min": os.getloadavg()[0]
-        if hasattr(os, "getloadavg")
-        else None,
+        "load_average_1min": load_average(),
     }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def describe(env: dict[str, Any]) -> str:
+    """One line: the device, the versions, dtype, threads and date."""
+    versions = [f"{name} {env.get(f'{name}_version')}" for name in _PACKAGES]
+    return (
+        f"{env['device_name']} ({env['device']}), {', '.join(versions)}, "
+        f"{env['dtype']}, {env['threads']} threads, {env['date_utc']}"
+    )
+
+
+_PACKAGES = ("torch", "numpy", "transformers")
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None

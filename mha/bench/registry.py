@@ -1,70 +1,56 @@
-"""The registry: one implementation of the attention layer is one entry.
+"""The registries: one implementation is one entry, a decorated builder.
 
-An entry is a *builder*: given the benchmark's weights (a seeded
-``torch.nn.MultiheadAttention``), the input ``x`` (B, T, D) and whether
-attention is causal, it prepares everything outside the timing and returns a
-function of no arguments that runs the implementation once. Adding an
-implementation to ``python -m mha.bench`` is one decorated function::
+A *builder* prepares everything outside the timing (weights, caches,
+projected inputs) and returns a *runner*, a function of no arguments that
+runs the implementation once. Each benchmark (a subcommand of ``python -m
+mha.bench``) has its own registry, a dict whose builders take the same
+inputs: :data:`IMPLEMENTATIONS` (``layer``, :mod:`mha.bench.implementations`)
+``build(layer, x, causal)`` with a seeded ``torch.nn.MultiheadAttention`` and
+``x`` (B, T, D); :data:`DECODE_IMPLEMENTATIONS` (``decode``,
+:mod:`mha.bench.decode_steps`) ``build(layer, context, x_new)`` with a
+:class:`mha.GroupedQueryAttention`, the context (B, T, D) and the new token
+(B, 1, D). Adding an entry is one decorated function::
 
-    @register("my_attention", scope="layer")
+    @register(IMPLEMENTATIONS, "my_attention", scope="layer")
     def my_attention(layer, x, causal):
+        \"\"\"One line for the table of implementations.\"\"\"
         weights = ...                  # prepared once, not timed
         return lambda: ...             # (B, T, D), timed
 
-Every entry is then timed by the harness, listed by ``--impl``, and checked by
-``tests/test_bench.py`` against the NumPy reference, with nothing else to edit.
-
-Decode-step entries (``python -m mha.bench --decode``) live in a registry of
-their own, :data:`DECODE_IMPLEMENTATIONS`, filled by the same decorator with
-``scope="decode", registry=DECODE_IMPLEMENTATIONS``. Their builder gets the
-layer (a :class:`mha.GroupedQueryAttention`), the context ``(B, T, D)`` and
-the new token ``(B, 1, D)``, and returns a function that computes the new
-token's output once, the same step every call::
-
-    @register("my_step", scope="decode", registry=DECODE_IMPLEMENTATIONS)
-    def my_step(layer, context, x_new):
-        cache = ...                    # filled with the context, not timed
-        return lambda: ...             # (B, 1, D), timed
+A builder that cannot run in the configuration it is given raises
+:class:`Unsupported` with the reason; the run lists the entry as skipped.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-__all__ = [
-    "SCOPES",
-    "Unsupported",
-    "Runner",
-    "Builder",
-    "Implementation",
-    "IMPLEMENTATIONS",
-    "DECODE_IMPLEMENTATIONS",
-    "DecodeBuilder",
-    "register",
-    "build_runner",
-    "build_decode_runner",
-    "default_impls",
-    "implementation_table",
-]
+from .._validate import check_choice
 
-#: What a row times: the whole layer, the attention core on projected
-#: heads, or the projections; or one decoding step of the layer
-#: (``--decode``).
+__all__ = ["SCOPES", "LIBRARIES", "Unsupported", "Runner", "Implementation"]
+__all__ += ["IMPLEMENTATIONS", "DECODE_IMPLEMENTATIONS", "register"]
+__all__ += ["build_runner", "select", "implementation_table"]
+
+#: What a runner computes: the whole layer (B, T, D), the attention core on
+#: projected heads (B, H, T, d_k), the four projections (B, T, D), or one
+#: decoding step (B, 1, D).
 SCOPES = ("layer", "core", "projections", "decode")
 
+#: The library whose threads do the work. Entries of different libraries are
+#: timed in rounds of their own: interleaved, one library's idle worker
+#: threads would still be spinning when the other's call starts.
+LIBRARIES = ("torch", "numpy")
+
 Runner = Callable[[], object]
-Builder = Callable[[nn.MultiheadAttention, Tensor, bool], Runner]
-#: A decode-step builder: (layer, context (B, T, D), new token (B, 1, D)).
-DecodeBuilder = Callable[[nn.Module, Tensor, Tensor], Runner]
 
 
 class Unsupported(Exception):
-    """An implementation cannot run for this device, dtype or configuration.
+    """An implementation cannot run on this device, dtype or configuration.
 
     The message says why.
     """
@@ -72,27 +58,20 @@ class Unsupported(Exception):
 
 @dataclass(frozen=True)
 class Implementation:
-    """One registry entry.
-
-    Attributes:
-        name: the name ``--impl`` takes and the tables print.
-        scope: ``"layer"`` (returns (B, T, D)), ``"core"`` (returns the
-            attention output (B, H, T, d_k)) or ``"projections"`` (returns
-            (B, T, D)).
-        build: the builder (see the module docstring).
-        devices: device types it runs on.
-        dtypes: dtypes it runs in; None for every dtype.
-        default_on: device types on which it is part of the default run.
-        summary: one line for the table of implementations.
+    """One registry entry: its ``name`` (for ``--impl`` and the tables),
+    ``scope`` (:data:`SCOPES`), builder, the ``devices`` and ``dtypes``
+    (None: all) it runs in, the devices whose default run has it
+    (``default_on``), a one-line ``summary`` and its :data:`LIBRARIES` entry.
     """
 
     name: str
     scope: str
-    build: Builder | DecodeBuilder
+    build: Callable[..., Runner]
     devices: tuple[str, ...]
     dtypes: tuple[torch.dtype, ...] | None
     default_on: tuple[str, ...]
     summary: str
+    library: str
 
     def check_supported(
         self, device: torch.device, dtype: torch.dtype
@@ -107,14 +86,15 @@ class Implementation:
             raise Unsupported(f"{self.name} has no {dtype_name} version")
 
 
-#: Every implementation, in registration (table) order.
+#: The layer benchmark's entries, in registration (table) order.
 IMPLEMENTATIONS: dict[str, Implementation] = {}
 
-#: Every decode-step implementation (``--decode``), in registration order.
+#: The decode benchmark's entries, in registration (table) order.
 DECODE_IMPLEMENTATIONS: dict[str, Implementation] = {}
 
 
 def register(
+    registry: dict[str, Implementation],
     name: str,
     *,
     scope: str,
@@ -122,28 +102,25 @@ def register(
     dtypes: tuple[torch.dtype, ...] | None = None,
     default_on: tuple[str, ...] | None = None,
     summary: str = "",
-    registry: dict[str, Implementation] | None = None,
-) -> Callable[[Builder], Builder]:
-    """Decorator: add the builder it decorates to ``registry`` under ``name``.
+    library: str = "torch",
+) -> Callable[[Callable[..., Runner]], Callable[..., Runner]]:
+    """Decorator: add the builder it decorates to ``registry`` as ``name``.
 
-    ``registry`` is :data:`IMPLEMENTATIONS` unless another is given
-    (:data:`DECODE_IMPLEMENTATIONS` for decode steps).
+    ``summary`` defaults to the first line of the builder's docstring;
+    ``default_on`` to ``devices``.
     """
-    registry = IMPLEMENTATIONS if registry is None else registry
-    if scope not in SCOPES:
-        raise ValueError(
-            f"scope must be one of {', '.join(SCOPES)}, got {scope!r}"
-        )
+    check_choice("scope", scope, SCOPES)
+    check_choice("library", library, LIBRARIES)
     if name in registry:
         raise ValueError(
             f"an implementation named {name!r} is registered already"
         )
 
-    def add(build: Builder) -> Builder:
-        text = summary or (build.__doc__ or "").strip().splitlines()[0]
+    def add(build: Callable[..., Runner]) -> Callable[..., Runner]:
+        text = summary or (build.__doc__ or name).strip().splitlines()[0]
         on = devices if default_on is None else default_on
         registry[name] = Implementation(
-            name, scope, build, devices, dtypes, on, text
+            name, scope, build, devices, dtypes, on, text, library
         )
         return build
 
@@ -151,77 +128,56 @@ def register(
 
 
 def build_runner(
-    impl: str, layer: nn.MultiheadAttention, x: Tensor, causal: bool = False
+    registry: dict[str, Implementation], impl: str, *inputs: object
 ) -> Runner:
-    """A function of no arguments that runs ``impl`` once on ``x`` (B, T, D).
+    """The runner of entry ``impl`` of ``registry``, built on ``inputs``.
 
-    Raises:
-        Unsupported: ``impl`` cannot run on this device or dtype (the message
-            says why).
-        ValueError: unknown ``impl``.
-    """
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"impl must be one of {', '.join(IMPLEMENTATIONS)}, got {impl!r}"
-        )
-    entry = IMPLEMENTATIONS[impl]
-    entry.check_supported(x.device, x.dtype)
-    return entry.build(layer, x, causal)
-
-
-def build_decode_runner(
-    impl: str, layer: nn.Module, context: Tensor, x_new: Tensor
-) -> Runner:
-    """A function of no arguments that runs one decode step of ``impl``.
-
-    ``layer``: a :class:`mha.GroupedQueryAttention`; ``context`` (B, T, D)
-    fills the cache (untimed, without autograd); the runner returns the
-    output (B, 1, D) of the new token ``x_new`` (B, 1, D), the same step each
-    call.
+    The device and dtype are those of the first tensor among ``inputs``. The
+    builder runs without autograd.
 
     Raises:
         Unsupported: ``impl`` cannot run here (the message says why).
-        ValueError: unknown ``impl``.
+        ValueError: ``impl`` is not in ``registry``.
     """
-    if impl not in DECODE_IMPLEMENTATIONS:
+    if impl not in registry:
         raise ValueError(
-            f"impl must be one of {', '.join(DECODE_IMPLEMENTATIONS)}, "
-            f"got {impl!r}"
+            f"impl must be one of {', '.join(registry)}, got {impl!r}"
         )
-    entry = DECODE_IMPLEMENTATIONS[impl]
-    entry.check_supported(x_new.device, x_new.dtype)
+    tensor = next(arg for arg in inputs if isinstance(arg, Tensor))
+    registry[impl].check_supported(tensor.device, tensor.dtype)
     with torch.no_grad():
-        return entry.build(layer, context, x_new)
+        return registry[impl].build(*inputs)
 
 
-def default_impls(device: torch.device | str) -> list[str]:
-    """The implementations of a run that names none.
+def select(
+    registry: dict[str, Implementation],
+    impls: Sequence[str] | None,
+    device: torch.device | str,
+) -> list[str]:
+    """``impls``, each checked to be in ``registry``.
 
-    They are those whose ``default_on`` has ``device``. Others can still be
-    asked for by name; where they cannot run they are reported as skipped.
+    None means the entries whose ``default_on`` has ``device``; others run
+    only when named (where they cannot run, they are reported as skipped).
     """
-    device_type = torch.device(device).type
-    return [
-        name
-        for name, entry in IMPLEMENTATIONS.items()
-        if device_type in entry.default_on
-    ]
+    if impls is None:
+        device_type = torch.device(device).type
+        return [n for n, e in registry.items() if device_type in e.default_on]
+    unknown = [name for name in impls if name not in registry]
+    if unknown:
+        raise ValueError(
+            f"impls must be among {', '.join(registry)}, got unknown {unknown}"
+        )
+    return list(impls)
 
 
-def implementation_table(
-    registry: dict[str, Implementation] | None = None,
-) -> str:
-    """Every registered implementation: name, scope, devices, what it times."""
-    registry = IMPLEMENTATIONS if registry is None else registry
+def implementation_table(registry: dict[str, Implementation]) -> str:
+    """Every entry of ``registry``: name, scope, devices, what is timed."""
     width = max(len(name) for name in registry)
     lines = [f"{'name':<{width}}  {'scope':<11} {'devices':<9} what is timed"]
     for entry in registry.values():
+        summary = re.sub(r":\w+:`~?([^`]+)`", r"\1", entry.summary)
+        summary = summary.replace("``", "").rstrip(".")
         devices = ",".join(entry.devices)
-        summary = (
-            re.sub(r":\w+:`~?([^`]+)`", r"\1", entry.summary)
-            .replace("``", "")
-            .rstrip(".")
-        )
         lines.append(
             f"{entry.name:<{width}}  {entry.scope:<11} {devices:<9} {summary}"
         )
