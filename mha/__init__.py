@@ -9,14 +9,16 @@ read it and the tests that pin it are listed with it (README.md has the table):
 * :mod:`mha.functional` - torch building blocks (08, 09; test_functional)
 * :mod:`mha.worked_example` - the 2-head worked example (04)
 * :mod:`mha.fitting` - heads fitted to patterns (02; test_fitting)
-* :mod:`mha.counting` - every count, real configurations (06, 09, 12, 13)
+* :mod:`mha.counting` - every count, real configurations (06, 09, 12, 13,
+  15)
 * :mod:`mha.module` - MultiHeadAttention, torch's layer (08-10; test_module_*)
 * :mod:`mha.plotting` - maps, grids, benchmark plots (all)
-* :mod:`mha.bench` - ``python -m mha.bench`` (09, 12, 13; test_bench)
+* :mod:`mha.bench` - ``python -m mha.bench`` (09, 12, 13, 15; test_bench,
+  test_variants)
 * :mod:`mha.tiny` - the tiny induction model (10; test_tiny)
 * :mod:`mha.positions` - sinusoidal, learned, rotary (11, 12; test_positions)
 * :mod:`mha.decoding` - GQA, key/value caches, generation (12; test_decoding)
-* :mod:`mha.flash` - tiled online-softmax attention (13; test_flash)
+* :mod:`mha.flash` - tiled online-softmax attention (13, 15; test_flash)
 * :mod:`mha.kernels` - Triton attention kernels (13; test_kernels)
 * :mod:`mha.parallel` - heads across processes (14; test_parallel)
 * :mod:`mha.variants` - masks and scores as functions, FlexAttention (15;

@@ -10,12 +10,14 @@ unfused and compiled; a compiled call that falls back to the unfused form is an 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from mha import flash, reference, variants
+from mha import bench, flash, reference, variants
 from transformers import masking_utils
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 
@@ -565,3 +567,95 @@ def test_rolling_cache_update_errors() -> None:
     with pytest.raises(ValueError, match="k and v must have the same shape"):
         cache.update(torch.zeros(2, 2, 1, 8), torch.zeros(2, 2, 2, 8))
     assert len(cache) == 0  # nothing was written
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark: python -m mha.bench variants
+
+
+@pytest.mark.usefixtures("fresh_compiler")
+def test_variants_benchmark_rows_and_ratios() -> None:
+    from mha.bench import variants as bench_variants
+    from mha.bench.report import paired_ratio
+
+    report = bench_variants.run_variants_benchmark(
+        seq_lens=(200,),
+        window=37,
+        heads=4,
+        head_dim=32,
+        repeats=2,
+        warmup=1,
+        min_time=0.0,
+        max_repeats=2,
+        cold_compile=False,
+        quiet=True,
+    )
+    rows = {row["impl"]: row for row in report["results"]}
+    assert list(rows) == list(bench_variants.VARIANT_IMPLEMENTATIONS)
+    assert all(row["status"] == "ok" and row["seq_len"] == 200 for row in rows.values())
+    assert all(row["first_call_s"] > 0 and len(row["times_s"]) == 2 for row in rows.values())
+    # the window's entries against SDPA with the dense mask (the causal pair has no window)
+    assert rows["flex"]["max_abs_diff"] < 1e-5
+    assert rows["sdpa_dense_mask"]["max_abs_diff"] == 0.0
+    assert "max_abs_diff" not in rows["sdpa_causal"]
+    (mask,) = report["masks"]
+    twin_tiles = _tiles_of(reference.sliding_window_mask(200, window=37), 128)
+    assert (mask["tiles_computed"], mask["tiles_total"]) == (np.count_nonzero(twin_tiles), 4)
+    assert mask["dense_mask_bytes"] == 200 * 200 and mask["block_mask_s"] > 0
+    (ratios,) = report["ratios"]
+    for key, (a, b) in bench_variants.VARIANT_RATIOS.items():
+        assert ratios[key] == paired_ratio(rows[a], rows[b])
+    assert ratios["sdpa_dense/flex"] == np.median(
+        np.divide(rows["sdpa_dense_mask"]["times_s"], rows["flex"]["times_s"])
+    )
+    text = bench_variants.format_variants(report)
+    assert "sliding_window W=37" in text and "sdpa_dense/flex" in text
+
+
+@pytest.mark.usefixtures("fresh_compiler")
+def test_flex_causal_entry_equals_causal_sdpa() -> None:
+    from mha.bench import variants as bench_variants
+
+    q, k, v = bench_variants.make_variant_inputs(1, 4, 200, 32)
+    run = bench.build_runner(
+        bench_variants.VARIANT_IMPLEMENTATIONS, "flex_causal", q, k, v, variants.causal
+    )
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(run(), expected, rtol=0, atol=2e-6)
+
+
+def test_variants_command_line(tmp_path, capsys) -> None:
+    listing = subprocess.run(
+        [sys.executable, "-m", "mha.bench", "variants", "--impl"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert [line.split()[0] for line in listing.splitlines()[1:]] == [
+        "flex",
+        "sdpa_dense_mask",
+        "flex_causal",
+        "sdpa_causal",
+    ]
+    output = tmp_path / "variants.json"
+    argv = ["variants", "--seq-lens", "64", "--heads", "2", "--head-dim", "16", "--quiet"]
+    argv += ["--mask", "sink_window", "--window", "8", "--sinks", "2", "--repeats", "1"]
+    argv += ["--min-time", "0", "--impl", "sdpa_dense_mask", "sdpa_causal"]
+    assert bench.main([*argv, "--output", str(output)]) == 0
+    report = bench.load_results(output)
+    assert report["config"]["mask"] == "sink_window" and report["config"]["sinks"] == 2
+    assert report["environment"]["command"].startswith("python -m mha.bench variants")
+    assert [row["impl"] for row in report["results"]] == ["sdpa_dense_mask", "sdpa_causal"]
+    assert "sink_window W=8 sinks=2" in capsys.readouterr().out
+
+
+def test_variants_benchmark_bad_arguments() -> None:
+    from mha.bench import variants as bench_variants
+
+    with pytest.raises(ValueError, match="mask must be one of 'sliding_window'"):
+        bench_variants.run_variants_benchmark(mask="diagonal", quiet=True)
+    with pytest.raises(ValueError, match="window must be a positive int, got 0"):
+        bench_variants.run_variants_benchmark(window=0, quiet=True)
+    with pytest.raises(ValueError, match="each of seq_lens must be a positive int"):
+        bench_variants.run_variants_benchmark(seq_lens=(0,), quiet=True)
