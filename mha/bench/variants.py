@@ -75,18 +75,14 @@ VARIANT_RATIOS = {
 }
 
 
-def _compiled() -> Callable[..., Tensor]:
-    # static shapes: one kernel per T, as a model of fixed length runs it
-    return torch.compile(flex_attention, dynamic=False)
-
-
 @register(VARIANT_IMPLEMENTATIONS, "flex", scope="core")
 def flex(
     q: Tensor, k: Tensor, v: Tensor, mask_mod: variants.MaskMod
 ) -> Runner:
     """torch.compile(flex_attention) with the variant's block mask."""
     mask = variants.block_mask(mask_mod, q.shape[2], device=q.device)
-    run = _compiled()
+    # static shapes: one kernel per T, as a model of fixed length runs it
+    run = torch.compile(flex_attention, dynamic=False)
     return lambda: run(q, k, v, block_mask=mask)
 
 
@@ -104,9 +100,7 @@ def flex_causal(
     q: Tensor, k: Tensor, v: Tensor, mask_mod: variants.MaskMod
 ) -> Runner:
     """torch.compile(flex_attention) with the causal block mask."""
-    mask = variants.block_mask(variants.causal, q.shape[2], device=q.device)
-    run = _compiled()
-    return lambda: run(q, k, v, block_mask=mask)
+    return flex(q, k, v, variants.causal)
 
 
 @register(VARIANT_IMPLEMENTATIONS, "sdpa_causal", scope="core")
