@@ -243,7 +243,9 @@ def flex(
     ``compiled=False`` runs FlexAttention's unfused form, which computes
     every score and then applies the same functions: the same result, for
     small checks that should not wait for a compiler. Returns (B, H, T_q,
-    d_k).
+    d_k). (torch keeps at most ``torch._dynamo.config.recompile_limit``
+    compiled versions of one function, 8 by default; past them it runs
+    FlexAttention unfused, with a warning.)
     """
     _check_flex(q, k, v, score_mod)
     mask = None
