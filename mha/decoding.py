@@ -721,57 +721,19 @@ def _check_tokens(tokens: object, vocab_size: int) -> None:
 
 
 def train_decoder(
-    model: Decoder,
-    *,
-    steps: int,
-    batch_size: int = 64,
-    lr: float = 3e-3,
-    seed: int = 0,
-    seq_len: int = 16,
-    segment_len: int = 6,
+    model: Decoder, *, steps: int, lr: float = 3e-3, **options: object
 ) -> list[float]:
-    """AdamW on fresh batches of the induction task; the loss of every step.
+    """:func:`mha.tiny.train` at this model's learning rate: AdamW on fresh
+    batches of the induction task, warm-up and cosine; the loss of every
+    step. ``options``: ``batch_size``, ``seed``, ``seq_len``, ..."""
+    from .tiny import train
 
-    The data and the loss (on the predictable positions only) are those of
-    :mod:`mha.tiny`; the learning rate warms up over the first 5 % of the
-    steps, then decays to zero on a cosine, as :func:`mha.tiny.train`.
-    """
-    from .tiny import (
-        make_induction_data,
-        masked_loss_and_accuracy,
-        warmup_cosine,
-    )
-
-    check_int("steps", steps)
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    scheduler = warmup_cosine(optimizer, steps)
-    losses = []
-    model.train()
-    for _ in range(steps):
-        data = make_induction_data(
-            batch_size,
-            seq_len=seq_len,
-            vocab_size=model.vocab_size,
-            segment_len=segment_len,
-            generator=generator,
-        )
-        loss, _ = masked_loss_and_accuracy(model(data.tokens), data)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
-    model.eval()
-    return losses
+    return train(model, steps=steps, lr=lr, **options)
 
 
-@torch.no_grad()
 def evaluate_decoder(model: Decoder, data) -> tuple[float, float]:
     """(loss, accuracy) of ``model`` on an :class:`mha.tiny.InductionData`,
-    on its predictable positions."""
-    from .tiny import masked_loss_and_accuracy
+    on its predictable positions: :func:`mha.tiny.evaluate`."""
+    from .tiny import evaluate
 
-    model.eval()
-    loss, accuracy = masked_loss_and_accuracy(model(data.tokens), data)
-    return loss.item(), accuracy.item()
+    return evaluate(model, data)

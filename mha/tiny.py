@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ __all__ = [
     "InductionData",
     "make_induction_data",
     "TinyTransformer",
+    "logits_of",
     "masked_loss_and_accuracy",
     "evaluate",
     "head_mask_without",
@@ -273,6 +275,17 @@ class TinyTransformer(nn.Module):
         return logits, (all_weights if return_weights else None)
 
 
+def logits_of(model: nn.Module, tokens: Tensor, **options: Any) -> Tensor:
+    """The (N, T, V) logits of ``model`` for ``tokens`` (N, T).
+
+    A :class:`TinyTransformer` returns ``(logits, weights)``, a
+    :class:`mha.decoding.Decoder` the logits alone: :func:`train` and
+    :func:`evaluate` take either.
+    """
+    output = model(tokens, **options)
+    return output[0] if isinstance(output, tuple) else output
+
+
 def masked_loss_and_accuracy(
     logits: Tensor, data: InductionData
 ) -> tuple[Tensor, Tensor]:
@@ -290,13 +303,14 @@ def masked_loss_and_accuracy(
 
 @torch.no_grad()
 def evaluate(
-    model: TinyTransformer,
+    model: nn.Module,
     data: InductionData,
     head_mask: Tensor | None = None,
 ) -> tuple[float, float]:
     """(loss, accuracy) of ``model`` on ``data``; optional (L, H) head mask."""
     model.eval()
-    logits, _ = model(data.tokens, head_mask=head_mask)
+    options = {} if head_mask is None else {"head_mask": head_mask}
+    logits = logits_of(model, data.tokens, **options)
     loss, accuracy = masked_loss_and_accuracy(logits, data)
     return loss.item(), accuracy.item()
 
@@ -336,7 +350,7 @@ def warmup_cosine(
 
 
 def train(
-    model: TinyTransformer,
+    model: nn.Module,
     *,
     steps: int,
     batch_size: int = 64,
@@ -348,10 +362,13 @@ def train(
 ) -> list[float]:
     """Train with AdamW on fresh batches.
 
-    The batches are drawn from a generator seeded with ``seed``. Returns the
-    training loss of every step. Same model initialisation + same seed + same
-    thread count give the same numbers on the same machine.
+    ``model`` maps tokens to logits (:func:`logits_of`) and has a
+    ``vocab_size``. The batches are drawn from a generator seeded with
+    ``seed``. Returns the training loss of every step. Same model
+    initialisation + same seed + same thread count give the same numbers on
+    the same machine.
     """
+    check_int("steps", steps)
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     scheduler = warmup_cosine(optimizer, steps)
@@ -365,7 +382,7 @@ def train(
             segment_len=segment_len,
             generator=generator,
         )
-        logits, _ = model(data.tokens)
+        logits = logits_of(model, data.tokens)
         loss, _ = masked_loss_and_accuracy(logits, data)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -355,3 +355,25 @@ def test_training_is_reproducible(one_torch_thread: None) -> None:
         model = TinyTransformer(V, T, d_model=16, num_heads=2, d_mlp=32)
         results.append(train(model, steps=5, batch_size=16, seed=3))
     assert results[0] == results[1]
+
+
+def test_one_loop_trains_the_decoder_of_chapter_12_too(one_torch_thread: None) -> None:
+    # train and evaluate take any model that maps tokens to logits; the decoder's own entry
+    # points are the same loop at its learning rate, so both routes give the same numbers.
+    from mha.decoding import Decoder, evaluate_decoder, train_decoder
+
+    test = _data(64, seed=9)
+    runs = []
+    for route in ("tiny", "decoding"):
+        torch.manual_seed(3)
+        model = Decoder(vocab_size=V, d_model=16, num_heads=2, num_layers=1, d_mlp=32)
+        if route == "tiny":
+            losses = train(model, steps=5, batch_size=16, lr=3e-3, seed=3)
+            runs.append((losses, evaluate(model, test)))
+        else:
+            losses = train_decoder(model, steps=5, batch_size=16, seed=3)
+            runs.append((losses, evaluate_decoder(model, test)))
+    assert runs[0] == runs[1]
+    assert len(runs[0][0]) == 5 and not model.training
+    with pytest.raises(TypeError, match="steps must be an int, got float 2.5"):
+        train(model, steps=2.5)
