@@ -15,6 +15,10 @@ read it and the tests that pin it are listed with it (README.md has the table):
 * :mod:`mha.plotting` - maps, grids, benchmark plots (all)
 * :mod:`mha.bench` - ``python -m mha.bench`` (09, 12, 13, 15; test_bench,
   test_variants)
+* :mod:`mha.exercises` - checkers for a learner's own code (01, 03, 05, 07,
+  appendix; test_exercises)
+* :mod:`mha.head_view` - an interactive head view, offline HTML (04, 10;
+  test_head_view)
 * :mod:`mha.tiny` - the tiny induction model (10; test_tiny)
 * :mod:`mha.positions` - sinusoidal, learned, rotary (11, 12; test_positions)
 * :mod:`mha.decoding` - GQA, key/value caches, generation (12; test_decoding)

@@ -212,6 +212,7 @@ def plot_mask(
     """
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
+    from matplotlib.transforms import offset_copy
 
     mask = np.asarray(mask)
     if mask.dtype != bool:
@@ -254,10 +255,16 @@ def plot_mask(
             label=f"False = {false_means}",
         ),
     ]
+    # below the "key" label, whatever the height of the axes: 30 points
+    # under the axes clear the tick labels and the label
+    below_label = offset_copy(
+        ax.transAxes, fig=ax.figure, y=-30, units="points"
+    )
     ax.legend(
         handles=handles,
         loc="upper center",
-        bbox_to_anchor=(0.5, -0.18 if t_q > 1 else -1.2),
+        bbox_to_anchor=(0.5, 0.0),
+        bbox_transform=below_label,
         ncol=1,
         fontsize=7,
         frameon=False,
@@ -340,6 +347,8 @@ def _flow_arrow(
     end: tuple[float, float],
     text: str = "",
     color: str = "0.3",
+    *,
+    below: bool = False,
 ) -> None:
     ax.annotate(
         "",
@@ -356,10 +365,10 @@ def _flow_arrow(
     if text:
         ax.text(
             (start[0] + end[0]) / 2,
-            (start[1] + end[1]) / 2 + 0.4,
+            (start[1] + end[1]) / 2 + (-0.4 if below else 0.4),
             text,
             ha="center",
-            va="bottom",
+            va="top" if below else "bottom",
             fontsize=7,
             color=color,
         )
@@ -382,10 +391,12 @@ def plot_head_flow(
     The arrays are those of one forward pass. Every matrix is a box whose width
     and height are its number of columns and rows (one cell per entry, coloured
     by value), so the picture shows the shapes exactly: ``x`` (T, D) -> per
-    head ``queries[i]``, ``keys[i]``, ``values[i]`` (T, d_k) -> ``weights[i]``
-    (T, T) -> ``heads[i]`` (T, d_k) -> ``concat`` (T, H * d_k) -> ``output``
-    (T, D_out). Each head has its own colour, also in its slice of ``concat``;
-    ``output`` is grey because ``W_O`` mixes the heads.
+    head ``queries[i]`` and ``keys[i]`` (T, d_k) -> softmax(Q K^T / sqrt(d_k))
+    = ``weights[i]`` (T, T) -> ``weights[i] @ values[i]`` = ``heads[i]``
+    (T, d_v) -> ``concat`` (T, H * d_v) -> ``output`` (T, D_out). The values
+    stand after the weights, where they enter. Each head has its own colour,
+    also in its slice of ``concat``; ``output`` is grey because ``W_O`` mixes
+    the heads.
     """
     x = np.asarray(x, dtype=float)
     concat = np.asarray(concat, dtype=float)
@@ -440,18 +451,18 @@ def plot_head_flow(
     # y of the boxes that are shared by all heads
     mid_y = total_height / 2 - t / 2
 
-    qkv_x = d_model + 2 * gap
-    qkv_width = (
+    qk_x = d_model + 2 * gap
+    qk_width = (
         max(
-            q.shape[1] + k.shape[1] + v.shape[1]
-            for q, k, v in zip(
-                per_head["queries"], per_head["keys"], per_head["values"]
-            )
+            q.shape[1] + k.shape[1]
+            for q, k in zip(per_head["queries"], per_head["keys"])
         )
-        + 2
+        + 1
     )
-    weights_x = qkv_x + qkv_width + 2 * gap
-    heads_x = weights_x + t + 2 * gap
+    weights_x = qk_x + qk_width + 3 * gap  # room for softmax(Q K^T / ...)
+    values_x = weights_x + t + 2.0  # weights @ V: the "@" between them
+    values_width = max(v.shape[1] for v in per_head["values"])
+    heads_x = values_x + values_width + 2 * gap
     concat_x = heads_x + max(widths) + 2 * gap
     output_x = concat_x + concat.shape[1] + 2 * gap
     width_units, height_units = (
@@ -477,8 +488,8 @@ def plot_head_flow(
             per_head["keys"][i],
             per_head["values"][i],
         )
-        cursor = qkv_x
-        for name, array in (("Q", q), ("K", k), ("V", v)):
+        cursor = qk_x
+        for name, array in (("Q", q), ("K", k)):
             _flow_box(ax, array, cursor, y0, cmap, color)
             _flow_label(
                 ax,
@@ -490,16 +501,16 @@ def plot_head_flow(
             )
             cursor += array.shape[1] + 1
         ax.text(
-            (qkv_x + cursor - 1) / 2,
+            (qk_x + cursor - 1) / 2,
             y0 + t + 0.3,
-            f"X @ W_Q[{i}], X @ W_K[{i}], X @ W_V[{i}]",
+            f"X @ W_Q[{i}], X @ W_K[{i}]",
             ha="center",
             va="bottom",
             fontsize=7,
             color=color,
         )
         _flow_arrow(
-            ax, (d_model, mid_y + t / 2), (qkv_x, y0 + t / 2), "", color
+            ax, (d_model, mid_y + t / 2), (qk_x, y0 + t / 2), "", color
         )
         _flow_box(
             ax,
@@ -516,8 +527,31 @@ def plot_head_flow(
             ax,
             (cursor - 1, y0 + t / 2),
             (weights_x, y0 + t / 2),
-            "softmax",
+            "softmax\n" + r"$(Q K^\top / \sqrt{d_k})$",
             color,
+            below=True,
+        )
+        _flow_box(ax, v, values_x, y0, cmap, color)
+        _flow_label(
+            ax, f"V_{i}", v.shape, values_x + v.shape[1] / 2, y0, color
+        )
+        ax.text(
+            values_x + v.shape[1] / 2,
+            y0 + t + 0.3,
+            f"X @ W_V[{i}]",
+            ha="center",
+            va="bottom",
+            fontsize=7,
+            color=color,
+        )
+        ax.text(
+            weights_x + t + 1.0,
+            y0 + t / 2,
+            "@",
+            ha="center",
+            va="center",
+            fontsize=8,
+            color=color,
         )
         head = per_head["heads"][i]
         _flow_box(ax, head, heads_x, y0, cmap, color)
@@ -526,9 +560,9 @@ def plot_head_flow(
         )
         _flow_arrow(
             ax,
-            (weights_x + t, y0 + t / 2),
+            (values_x + v.shape[1], y0 + t / 2),
             (heads_x, y0 + t / 2),
-            "@ V",
+            "=",
             color,
         )
         _flow_box(

@@ -9,7 +9,9 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted((ROOT / "chapters").glob("*.ipynb"))
+NOTEBOOKS = sorted((ROOT / "chapters").glob("*.ipynb")) + sorted(
+    (ROOT / "appendix").glob("*.ipynb")
+)
 
 
 def _pins(lines):
@@ -26,6 +28,8 @@ def test_requirements_are_exact_pins():
     assert not loose, f"requirements.txt must pin exact versions, found: {loose}"
     assert "torch==2.13.0" in lines
     assert any(l.startswith("jupyter-book==1.") for l in lines), "jupyter-book must be 1.x"
+    # JupyterLab renders the chapters' MyST (exercises, folded solutions) only with it
+    assert any(l.startswith("jupyterlab-myst==") for l in lines), "jupyterlab-myst must be pinned"
 
 
 def test_environment_yml_has_the_same_pins():
