@@ -786,15 +786,17 @@ def tensor_parallel_parameters(
     world_size: int,
     *,
     num_kv_heads: int | None = None,
-    bias: bool = True,
+    bias: bool = False,
 ) -> int:
     """Parameters one of N processes holds when a layer is split by heads.
 
     Its H/N query heads' rows of W_Q and columns of W_O (``D * D / N`` each),
     the rows of W_K and W_V of the key/value heads they read (``H_kv / N``
     heads, or one head when ``H_kv < N``: replicated), their biases, and all
-    of ``b_O`` (added once, after the sum). Multi-head attention, with
-    biases: ``4 D^2 / N + 3 D / N + D``.
+    of ``b_O`` (added once, after the sum). Multi-head attention:
+    ``4 D^2 / N``, and ``3 D / N + D`` more with biases. ``bias`` defaults
+    to False, as :class:`mha.GroupedQueryAttention`'s (Llama has none);
+    :class:`mha.MultiHeadAttention`, like torch's, has biases by default.
     """
     d_k = _head_size(d_model, num_heads)
     check_int("world_size", world_size)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +48,9 @@ from .functional import (
     split_heads,
 )
 from .positions import (
-    _check_base,
+    Rope,
     _check_positions,
+    as_rope,
     rope_cos_sin,
     rotate_pairs,
 )
@@ -58,9 +60,12 @@ __all__ = [
     "GroupedQueryAttention",
     "KVCache",
     "ConcatKVCache",
+    "PagedKVCache",
     "grouped_from_multi_head",
+    "left_pad",
     "Decoder",
     "generate",
+    "generate_batch",
     "train_decoder",
     "evaluate_decoder",
 ]
@@ -102,8 +107,9 @@ class GroupedQueryAttention(nn.Module):
         embed_dim: D. num_heads: H query heads, ``d_k = D / H``.
         num_kv_heads: H_kv key/value heads, dividing H (H: MHA, 1: MQA).
         bias: biases on the four projections (Llama has none).
-        rope_base: RoPE's base (10000 in Llama 2), or None for no rotary
-            positions (positions then come from the input, if at all).
+        rope_base: RoPE's base (10000 in Llama 2), a :class:`mha.Rope`
+            (a base with a scaling rule, as Llama 3.1's), or None for no
+            rotary positions (positions then come from the input, if at all).
         dropout: probability of dropping an attention weight in training.
         device, dtype: of the parameters.
     """
@@ -114,7 +120,7 @@ class GroupedQueryAttention(nn.Module):
         num_heads: int,
         num_kv_heads: int,
         bias: bool = False,
-        rope_base: float | None = 10000.0,
+        rope_base: float | Rope | None = 10000.0,
         dropout: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -127,8 +133,8 @@ class GroupedQueryAttention(nn.Module):
             "embed_dim", embed_dim, "num_heads", num_heads
         )
         check_divisible("num_heads", num_heads, "num_kv_heads", num_kv_heads)
-        self.rope_base = None if rope_base is None else _check_base(rope_base)
-        if self.rope_base is not None and self.head_dim % 2:
+        self.rope = None if rope_base is None else as_rope(rope_base)
+        if self.rope is not None and self.head_dim % 2:
             raise ValueError(
                 "RoPE needs an even head width d_k = embed_dim / num_heads "
                 f"(dimension i turns with i + d_k/2), got d_k = "
@@ -142,34 +148,71 @@ class GroupedQueryAttention(nn.Module):
         self.v_proj = nn.Linear(embed_dim, kv_dim, **factory)
         self.o_proj = nn.Linear(embed_dim, embed_dim, **factory)
 
+    @property
+    def rope_base(self) -> float | None:
+        """RoPE's base, or None without rotary positions."""
+        return None if self.rope is None else self.rope.base
+
+    @classmethod
+    def from_config(
+        cls,
+        config: object,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> GroupedQueryAttention:
+        """The layer that ``transformers``' ``LlamaAttention`` builds from
+        ``config``: a ``LlamaConfig``, or an object or dict with its fields
+        (``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``,
+        ``head_dim``, ``attention_bias``, ``attention_dropout``,
+        ``max_position_embeddings`` and ``rope_parameters`` in
+        ``transformers`` 5's format, rope types default, linear, llama3 and
+        yarn). Its ``state_dict`` loads into ours with no renaming."""
+        fields = _config_fields(config)
+        return cls(
+            fields["hidden_size"],
+            fields["num_attention_heads"],
+            fields["num_key_value_heads"],
+            bias=fields["attention_bias"],
+            rope_base=fields["rope"],
+            dropout=fields["attention_dropout"],
+            device=device,
+            dtype=dtype,
+        )
+
     def forward(
         self,
         x: Tensor,
         *,
         positions: Tensor | None = None,
-        cache: KVCache | ConcatKVCache | None = None,
+        cache: Cache | None = None,
         attn_mask: Tensor | None = None,
         is_causal: bool = True,
     ) -> Tensor:
         """x (B, T, D) -> (B, T, D), attending to the cache (if any) and x.
 
         ``positions`` (T,) or (B, T) ints, for RoPE: by default ``len(cache)``
-        onwards (0 without a cache); with a cache they must be those.
-        ``attn_mask``: boolean, broadcastable to (B, H, T, T_k), ``True`` =
-        may attend; combined with the causal mask when ``is_causal``.
+        onwards (0 without a cache); (B, T) lets each row continue its own
+        positions (a left-padded batch). ``attn_mask``: boolean,
+        broadcastable to (B, H, T, T_k), ``True`` = may attend, with ``T_k``
+        the cached and new positions, or the cache's ``max_len``; combined
+        with the causal mask when ``is_causal``.
         """
-        positions = self._check_forward(x, positions, cache, attn_mask)
-        d_k = self.head_dim
+        self._check_forward(x, positions, cache, attn_mask)
+        d_k, T = self.head_dim, x.shape[1]
+        start = 0 if cache is None else _cached_so_far(cache)
         q = split_heads(self.q_proj(x), d_k)  # (B, H, T, d_k)
         k = split_heads(self.k_proj(x), d_k)  # (B, H_kv, T, d_k)
         v = split_heads(self.v_proj(x), d_k)  # (B, H_kv, T, d_k)
-        if self.rope_base is not None:  # turn q and k by their positions
-            cos, sin = rope_cos_sin(positions, d_k, self.rope_base, q.dtype)
+        if self.rope is not None:  # turn q and k by their positions
+            if positions is None:  # the next T slots of the cache
+                positions = start + torch.arange(T, device=x.device)
+            cos, sin = rope_cos_sin(positions, d_k, self.rope, q.dtype)
             q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
         if cache is not None:  # cached keys and values, then the new ones
             k, v = cache.update(k, v)  # (B, H_kv, T_k, d_k)
         keep, causal = _mask(
-            attn_mask, is_causal, q.shape[2], k.shape[2], x.device
+            attn_mask, is_causal, start, T, k.shape[2], x.device
         )
         heads = F.scaled_dot_product_attention(  # grouped_attention, fused
             q,
@@ -186,12 +229,13 @@ class GroupedQueryAttention(nn.Module):
         self,
         x: Tensor,
         positions: Tensor | None,
-        cache: KVCache | ConcatKVCache | None,
+        cache: Cache | None,
         attn_mask: Tensor | None,
-    ) -> Tensor | None:
-        """Check every input before anything is computed; return positions."""
+    ) -> None:
+        """Check every input before anything is computed (under
+        ``torch.compile`` only what the shapes tell: no value is read)."""
         if not isinstance(x, Tensor) or not x.is_floating_point():
-            got = x.dtype if isinstance(x, Tensor) else type(x).__name__
+            got = _dtype_or_type(x)
             raise TypeError(f"x must be a floating-point tensor, got {got}")
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(
@@ -199,57 +243,57 @@ class GroupedQueryAttention(nn.Module):
                 f"got shape {tuple(x.shape)}"
             )
         B, T, _ = x.shape
-        start = 0
         if cache is not None:
             cache.check_update(
                 B, self.num_kv_heads, T, self.head_dim, x.dtype, x.device
             )
-            start = len(cache)
         if positions is not None:
-            if self.rope_base is None:
-                raise ValueError(
-                    "positions were given, but the layer has no rotary "
-                    "positions (rope_base=None)"
-                )
-            _check_positions(positions)
-            if tuple(positions.shape) not in ((T,), (B, T)):
-                raise ValueError(
-                    f"positions must have shape (T,) = ({T},) or (B, T) = "
-                    f"({B}, {T}), got shape {tuple(positions.shape)}"
-                )
-            expected = torch.arange(start, start + T, device=positions.device)
-            if cache is not None and not bool((positions == expected).all()):
-                raise ValueError(
-                    f"positions must continue the cache: {start} .. "
-                    f"{start + T - 1} (len(cache) = {start}), got "
-                    f"{_value_range(positions)}"
-                )
-        elif self.rope_base is not None:
-            positions = torch.arange(start, start + T, device=x.device)
+            _check_layer_positions(positions, B, T, self.rope is not None)
         if attn_mask is not None:
-            _check_attn_mask(attn_mask, B, self.num_heads, T, start + T)
-        return positions
+            _check_attn_mask(attn_mask, B, self.num_heads, T, cache)
+
+
+def _cached_so_far(cache: Cache) -> int | Tensor:
+    """How many positions the cache held before this step: an int, or under
+    ``torch.compile`` a 0-dim tensor (a count the compiler would guard as a
+    constant, and compile again for every step, must stay in a tensor)."""
+    if torch.compiler.is_compiling() and isinstance(cache.length, Tensor):
+        return cache.length.clone()  # update() counts on in place
+    return len(cache)
 
 
 def _mask(
     attn_mask: Tensor | None,
     is_causal: bool,
+    start: int | Tensor,
     t_q: int,
     t_k: int,
     device: torch.device,
 ) -> tuple[Tensor | None, bool]:
     """The boolean mask (True = may attend) and SDPA's ``is_causal`` flag.
 
-    Causal is aligned bottom-right: the T_q new queries are the last T_q of
-    the T_k positions. SDPA's own flag is top-left, the same only when T_q =
-    T_k; a single new query sees every key and needs no mask at all.
+    Query ``i`` stands at slot ``start + i``; causal, it sees key slots
+    ``0 .. start + i`` (aligned bottom-right); in any case only the ``start
+    + t_q`` slots written so far (a compiled step gets every slot of a
+    preallocated cache). SDPA's own flag is top-left, the same only when
+    ``T_q = T_k``; a single new query that sees every key needs no mask.
     """
-    if not is_causal or t_q == 1:
-        return attn_mask, False
-    if t_q == t_k and attn_mask is None:
-        return None, True
-    causal = causal_mask(t_q, t_k, align="bottom-right", device=device)
-    return (causal if attn_mask is None else attn_mask & causal), False
+    if attn_mask is not None and attn_mask.shape[-1] > t_k:
+        attn_mask = attn_mask[..., :t_k]  # given for every slot of the cache
+    if isinstance(start, int) and t_k == start + t_q:  # keys: exactly these
+        if not is_causal or t_q == 1:
+            return attn_mask, False
+        if t_q == t_k and attn_mask is None:
+            return None, True
+        causal = causal_mask(t_q, t_k, align="bottom-right", device=device)
+        return (causal if attn_mask is None else attn_mask & causal), False
+    slots = torch.arange(t_k, device=device)  # (T_k,)
+    query_slots = start + torch.arange(t_q, device=device)  # (T_q,)
+    if is_causal:
+        keep = slots[None, :] <= query_slots[:, None]  # (T_q, T_k)
+    else:
+        keep = (slots < start + t_q)[None, :].expand(t_q, t_k)
+    return (keep if attn_mask is None else attn_mask & keep), False
 
 
 def _grouped(keep: Tensor, num_kv_heads: int, group: int) -> Tensor:
@@ -260,27 +304,57 @@ def _grouped(keep: Tensor, num_kv_heads: int, group: int) -> Tensor:
     return keep.unflatten(1, (num_kv_heads, group))  # (., H_kv, G, ., T_k)
 
 
+def _check_layer_positions(
+    positions: object, B: int, T: int, has_rope: bool
+) -> None:
+    if not has_rope:
+        raise ValueError(
+            "positions were given, but the layer has no rotary "
+            "positions (rope_base=None)"
+        )
+    _check_positions(positions)
+    if tuple(positions.shape) not in ((T,), (B, T)):
+        raise ValueError(
+            f"positions must have shape (T,) = ({T},) or (B, T) = "
+            f"({B}, {T}), got shape {tuple(positions.shape)}"
+        )
+    if not torch.compiler.is_compiling() and positions.numel():
+        if int(positions.min()) < 0:
+            raise ValueError(
+                "positions must be >= 0 (each row counts its own tokens "
+                f"from 0), got {_value_range(positions)}"
+            )
+
+
 def _check_attn_mask(
-    attn_mask: Tensor, B: int, H: int, t_q: int, t_k: int
+    attn_mask: Tensor, B: int, H: int, t_q: int, cache: Cache | None
 ) -> None:
     if not isinstance(attn_mask, Tensor) or attn_mask.dtype != torch.bool:
-        got = (
-            attn_mask.dtype
-            if isinstance(attn_mask, Tensor)
-            else type(attn_mask).__name__
-        )
+        got = _dtype_or_type(attn_mask)
         raise TypeError(
             f"attn_mask must be a bool tensor (True = may attend), got {got}"
         )
-    full = (B, H, t_q, t_k)
+    widths = {1}  # the last axis: T_k, every slot of the cache, or 1
+    if cache is None or not torch.compiler.is_compiling():
+        widths.add(t_q + (0 if cache is None else len(cache)))
+    if cache is not None and cache.max_len is not None:
+        widths.add(cache.max_len)
     shape = tuple(attn_mask.shape)
-    fits = 2 <= len(shape) <= 4 and all(
-        size in (1, want) for size, want in zip(shape[::-1], full[::-1])
+    fits = (
+        2 <= len(shape) <= 4
+        and shape[-1] in widths
+        and all(
+            size in (1, want) for size, want in zip(shape[-2::-1], (t_q, H, B))
+        )
     )
     if not fits:
+        t_k = "T_k = T" if cache is None else "T_k = len(cache) + T"
+        slots = "" if cache is None else ", or the cache's max_len"
         raise ValueError(
-            "attn_mask must be broadcastable to (B, H, T, T_k) = "
-            f"{full}, with T_k = len(cache) + T, got shape {shape}"
+            f"attn_mask must be broadcastable to (B, H, T, T_k) with "
+            f"(B, H, T) = {(B, H, t_q)} and {t_k} = "
+            f"{' or '.join(map(str, sorted(widths - {1})))}{slots}, got "
+            f"shape {shape}"
         )
 
 
@@ -288,6 +362,41 @@ def _value_range(positions: Tensor) -> str:
     if positions.numel() == 0:
         return "no positions"
     return f"values {int(positions.min())} .. {int(positions.max())}"
+
+
+def _config_fields(config: object) -> dict:
+    """The fields of a ``LlamaConfig`` (or an object or dict alike) that the
+    attention layer needs, checked; ``rope`` a :class:`mha.Rope`."""
+    get = (
+        config.get
+        if isinstance(config, Mapping)
+        else lambda name, default=None: getattr(config, name, default)
+    )
+    fields = {}
+    for name in ("hidden_size", "num_attention_heads"):
+        if get(name) is None:
+            raise ValueError(f"config must give {name}, got none")
+        fields[name] = check_int(name, get(name))
+    heads = fields["num_attention_heads"]
+    fields["num_key_value_heads"] = check_int(
+        "num_key_value_heads", get("num_key_value_heads") or heads
+    )
+    head_dim = get("head_dim")
+    if head_dim is not None and head_dim * heads != fields["hidden_size"]:
+        raise ValueError(
+            "head_dim must be hidden_size / num_attention_heads = "
+            f"{fields['hidden_size']} / {heads} for this layer, got "
+            f"{head_dim}"
+        )
+    fields["attention_bias"] = bool(get("attention_bias", False))
+    fields["attention_dropout"] = float(get("attention_dropout", 0.0) or 0.0)
+    parameters = get("rope_parameters")
+    if parameters is None:  # only a base: transformers' default rope
+        parameters = {"rope_theta": get("rope_theta", 10000.0)}
+    fields["rope"] = Rope.from_parameters(
+        parameters, max_position_embeddings=get("max_position_embeddings")
+    )
+    return fields
 
 
 # ---------------------------------------------------------------------------
@@ -301,7 +410,8 @@ class KVCache:
     once; :meth:`update` writes the new tokens' keys and values into the next
     free positions and returns views of everything written so far. The cost
     of a step does not depend on how much was cached before (gpt-fast's
-    ``KVCache``; its ``update`` is given the positions, this one keeps count).
+    ``KVCache``). The count of written positions is a tensor, ``length``,
+    so that ``torch.compile`` compiles one step for every length.
     """
 
     def __init__(
@@ -325,27 +435,35 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.dtype, self.device = dtype, self.keys.device
-        self._length = 0
+        self.length = torch.zeros((), dtype=torch.int64, device=self.device)
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v (B, H_kv, T, d_k) after the cached ones; return all."""
+        """Write k, v (B, H_kv, T, d_k) after the cached ones; return all.
+
+        Compiled, the whole (B, H_kv, max_len, d_k) tensors come back (a
+        shape that does not change from step to step); the layer masks the
+        positions not yet written.
+        """
         self.check_update(*_update_shape(k, v), k.dtype, k.device, v=v)
-        start, end = self._length, self._length + k.shape[2]
-        self.keys[:, :, start:end] = k  # in place: nothing is copied again
-        self.values[:, :, start:end] = v
-        self._length = end
+        slots = self.length + torch.arange(k.shape[2], device=self.device)
+        self.keys.index_copy_(2, slots, k)  # in place: nothing copied again
+        self.values.index_copy_(2, slots, v)
+        self.length += k.shape[2]
+        if torch.compiler.is_compiling():
+            return self.keys, self.values
+        end = len(self)
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def __len__(self) -> int:
-        return self._length
+        return int(self.length)
 
     def reset(self) -> None:
         """Forget every cached token (the memory stays allocated)."""
-        self._length = 0
+        self.length.zero_()
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` cached tokens and forget the rest."""
-        self._length = _check_truncate(length, self._length)
+        self.length.fill_(_check_truncate(length, len(self)))
 
     def check_update(
         self,
@@ -359,8 +477,8 @@ class KVCache:
         v: Tensor | None = None,
     ) -> None:
         """Raise ValueError/TypeError if such an update cannot be written."""
-        _check_update(self, batch, num_kv_heads, new_tokens, head_dim)
         _check_dtype_device(self, dtype, device, v)
+        _check_update(self, batch, num_kv_heads, new_tokens, head_dim)
 
 
 class ConcatKVCache:
@@ -403,6 +521,10 @@ class ConcatKVCache:
         self.values = torch.cat((self.values, v), dim=2)
         return self.keys, self.values
 
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
     def __len__(self) -> int:
         return self.keys.shape[2]
 
@@ -417,6 +539,161 @@ class ConcatKVCache:
         self.values = self.values[:, :, :length]
 
     check_update = KVCache.check_update
+
+
+class PagedKVCache:
+    """Keys and values in fixed-size blocks from one pool (vLLM's layout).
+
+    The pool holds ``num_blocks`` blocks of ``block_size`` positions,
+    ``key_blocks`` and ``value_blocks`` (num_blocks + 1, H_kv, block_size,
+    d_k); the last one is a null block that is never handed out. Row ``b``'s
+    position ``p`` lives in block ``block_table[b, p // block_size]`` at
+    offset ``p % block_size``. A block is taken from the pool only when a
+    row's first position in it is written (:meth:`reserve`), and
+    :meth:`free` gives a finished row's blocks back: memory follows the
+    tokens, not ``max_len`` (Kwon et al. 2023). Same ``update`` / ``len`` /
+    ``reset`` / ``truncate`` as :class:`KVCache`; ``update`` gathers each
+    row's blocks into (B, H_kv, T_k, d_k) for the attention (vLLM's kernels
+    read the blocks where they lie).
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        dtype = dtype or torch.get_default_dtype()
+        _check_cache_args(batch, num_kv_heads, head_dim, dtype)
+        self.max_len = check_int("max_len", max_len)
+        self.block_size = check_int("block_size", block_size)
+        self.blocks_per_row = -(-max_len // block_size)  # ceil
+        if num_blocks is None:  # enough for every row at max_len
+            num_blocks = batch * self.blocks_per_row
+        self.num_blocks = check_int("num_blocks", num_blocks)
+        self.batch, self.num_kv_heads, self.head_dim = (
+            batch,
+            num_kv_heads,
+            head_dim,
+        )
+        shape = (num_blocks + 1, num_kv_heads, block_size, head_dim)
+        self.key_blocks = torch.zeros(shape, dtype=dtype, device=device)
+        self.value_blocks = torch.zeros(shape, dtype=dtype, device=device)
+        self.dtype, self.device = dtype, self.key_blocks.device
+        self.null_block = num_blocks  # where a row without a block points
+        self.block_table = torch.full(
+            (batch, self.blocks_per_row), num_blocks, device=self.device
+        )  # (B, blocks per row)
+        self.length = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.reset()
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, H_kv, T, d_k) into the rows' blocks; return all.
+
+        Eagerly the blocks are reserved here; a compiled step needs
+        :meth:`reserve` called before it (vLLM's scheduler, too, hands out
+        blocks before the model runs). Compiled, every row's ``max_len``
+        positions come back; the layer masks those not yet written.
+        """
+        self.check_update(*_update_shape(k, v), k.dtype, k.device, v=v)
+        T = k.shape[2]
+        if not torch.compiler.is_compiling():
+            self.reserve(T)
+        slots = self.length + torch.arange(T, device=self.device)  # (T,)
+        blocks = self.block_table[:, slots // self.block_size]  # (B, T)
+        offsets = slots % self.block_size  # (T,)
+        if torch.compiler.is_compiling():  # no write into the null block
+            torch._assert_async(  # (a finished row's may go there)
+                ((blocks != self.null_block) | ~self.active[:, None]).all(),
+                "PagedKVCache: reserve() the blocks before a compiled step",
+            )
+        # blocks[b, t], offsets[t] <- k[b, :, t]: (B, T, H_kv, d_k)
+        self.key_blocks[blocks, :, offsets] = k.transpose(1, 2)
+        self.value_blocks[blocks, :, offsets] = v.transpose(1, 2)
+        self.length += T
+        end = self.max_len if torch.compiler.is_compiling() else len(self)
+        used = self.block_table[:, : -(-end // self.block_size)]
+        return self._gather(self.key_blocks, used, end), self._gather(
+            self.value_blocks, used, end
+        )
+
+    def _gather(self, pool: Tensor, table: Tensor, end: int) -> Tensor:
+        """Each row's blocks, in order: (B, H_kv, end, d_k)."""
+        rows = pool[table]  # (B, n, H_kv, block_size, d_k)
+        rows = rows.transpose(1, 2).flatten(2, 3)  # (B, H_kv, n bs, d_k)
+        return rows[:, :, :end]
+
+    def reserve(self, new_tokens: int) -> None:
+        """Take from the pool the blocks that the next ``new_tokens``
+        positions of every active row need; nothing if the pool is short."""
+        first = -(-len(self) // self.block_size)  # blocks held per row
+        last = -(-(len(self) + new_tokens) // self.block_size)
+        rows = [b for b, on in enumerate(self.active.tolist()) if on]
+        needed = (last - first) * len(rows)
+        if needed > len(self._free):
+            raise ValueError(
+                f"the pool has {len(self._free)} free blocks of "
+                f"{self.block_size} positions; {new_tokens} new tokens for "
+                f"{len(rows)} rows need {needed}"
+            )
+        for b in rows:
+            for i in range(first, last):
+                self.block_table[b, i] = self._free.pop()
+
+    def free(self, row: int) -> None:
+        """Give row ``row``'s blocks back to the pool: its sequence is done.
+        Later writes of that row go to the null block, and its keys and
+        values read from there are meaningless."""
+        check_int("row", row, minimum=0)
+        if row >= self.batch:
+            raise ValueError(f"row must be < batch = {self.batch}, got {row}")
+        self._release(row, 0)
+        self.active[row] = False
+
+    @property
+    def blocks_in_use(self) -> int:
+        """Blocks taken from the pool and not given back."""
+        return self.num_blocks - len(self._free)
+
+    def __len__(self) -> int:
+        return int(self.length)
+
+    def reset(self) -> None:
+        """Forget every cached token; every block goes back to the pool."""
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack
+        self.block_table.fill_(self.null_block)
+        self.active = torch.ones(
+            self.batch, dtype=torch.bool, device=self.device
+        )
+        self.length.zero_()
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` cached tokens and forget the rest; the
+        blocks past them go back to the pool."""
+        length = _check_truncate(length, len(self))
+        keep = -(-length // self.block_size)
+        for b in range(self.batch):
+            self._release(b, keep)
+        self.length.fill_(length)
+
+    def _release(self, row: int, keep: int) -> None:
+        """Row ``row``'s blocks from index ``keep`` on, back to the pool."""
+        for i in range(keep, self.blocks_per_row):
+            block = int(self.block_table[row, i])
+            if block != self.null_block:
+                self._free.append(block)
+                self.block_table[row, i] = self.null_block
+
+    check_update = KVCache.check_update
+
+
+Cache = KVCache | ConcatKVCache | PagedKVCache
 
 
 def _check_cache_args(
@@ -450,7 +727,7 @@ def _update_shape(k: Tensor, v: Tensor) -> tuple[int, int, int, int]:
 
 
 def _check_update(
-    cache: KVCache | ConcatKVCache,
+    cache: Cache,
     batch: int,
     num_kv_heads: int,
     new_tokens: int,
@@ -462,6 +739,13 @@ def _check_update(
             "the new keys and values must have (B, H_kv, d_k) = "
             f"{expected}, the cache's, got {(batch, num_kv_heads, head_dim)}"
         )
+    if torch.compiler.is_compiling():  # len() would read a tensor's value
+        if cache.max_len is not None and isinstance(cache.length, Tensor):
+            torch._assert_async(
+                cache.length + new_tokens <= cache.max_len,
+                f"the cache has room for max_len = {cache.max_len} tokens",
+            )
+        return
     if cache.max_len is not None and len(cache) + new_tokens > cache.max_len:
         raise ValueError(
             f"the cache has room for max_len = {cache.max_len} tokens and "
@@ -470,7 +754,7 @@ def _check_update(
 
 
 def _check_dtype_device(
-    cache: KVCache | ConcatKVCache,
+    cache: Cache,
     dtype: torch.dtype,
     device: torch.device,
     v: Tensor | None,
@@ -532,11 +816,13 @@ def grouped_from_multi_head(
     return new
 
 
-def _projections(layer: nn.Module) -> tuple[dict[str, Tensor], float | None]:
+def _projections(
+    layer: nn.Module,
+) -> tuple[dict[str, Tensor], Rope | None]:
     """The layer's weights (copies) under LlamaAttention's names; RoPE base."""
     if isinstance(layer, GroupedQueryAttention):
         state = {k: t.detach().clone() for k, t in layer.state_dict().items()}
-        return state, layer.rope_base
+        return state, layer.rope
     if hasattr(layer, "in_proj_weight") and hasattr(layer, "out_proj"):
         return grouped_query_state_dict(layer), None
     raise TypeError(
@@ -561,6 +847,8 @@ def _check_pooling(
 
 # ---------------------------------------------------------------------------
 # A small decoder and greedy generation
+
+CACHE_KINDS = ("preallocated", "concat", "paged")
 
 
 class Decoder(nn.Module):
@@ -617,9 +905,15 @@ class Decoder(nn.Module):
         self,
         tokens: Tensor,
         *,
-        caches: list[KVCache] | list[ConcatKVCache] | None = None,
+        caches: Sequence[Cache] | None = None,
+        positions: Tensor | None = None,
+        attn_mask: Tensor | None = None,
     ) -> Tensor:
-        """Next-token logits (B, T, V) of tokens (B, T), after the caches'."""
+        """Next-token logits (B, T, V) of tokens (B, T), after the caches'.
+
+        ``positions`` and ``attn_mask`` go to every attention layer (see
+        :meth:`GroupedQueryAttention.forward`): a left-padded batch.
+        """
         _check_tokens(tokens, self.vocab_size)
         if caches is not None and len(caches) != self.num_layers:
             raise ValueError(
@@ -629,21 +923,34 @@ class Decoder(nn.Module):
         x = self.embed(tokens)  # (B, T, D)
         for i, attn in enumerate(self.attns):
             cache = None if caches is None else caches[i]
-            x = x + attn(self.attn_norms[i](x), cache=cache)
+            x = x + attn(
+                self.attn_norms[i](x),
+                cache=cache,
+                positions=positions,
+                attn_mask=attn_mask,
+            )
             x = x + self.mlps[i](self.mlp_norms[i](x))
         return self.head(self.out_norm(x))  # (B, T, V)
 
     def new_caches(
         self, batch: int, max_len: int, *, kind: str = "preallocated"
-    ) -> list[KVCache] | list[ConcatKVCache]:
-        """One empty cache per layer: ``"preallocated"`` or ``"concat"``."""
-        check_choice("kind", kind, ("preallocated", "concat"))
+    ) -> list[Cache]:
+        """One empty cache per layer: ``"preallocated"`` (:class:`KVCache`),
+        ``"concat"`` or ``"paged"`` (16-position blocks)."""
+        check_choice("kind", kind, CACHE_KINDS)
         attn, dtype = self.attns[0], self.head.weight.dtype
         device = self.head.weight.device
         sizes = (attn.num_kv_heads, attn.head_dim)
         if kind == "preallocated":
             return [
                 KVCache(batch, max_len, *sizes, dtype=dtype, device=device)
+                for _ in self.attns
+            ]
+        if kind == "paged":
+            return [
+                PagedKVCache(
+                    batch, max_len, *sizes, dtype=dtype, device=device
+                )
                 for _ in self.attns
             ]
         return [
@@ -675,12 +982,13 @@ def generate(
     """Greedy decoding: (B, T) prompt -> (B, T + max_new_tokens) tokens.
 
     ``cache=None`` runs the whole sequence through the model for every new
-    token; ``"preallocated"`` (:class:`KVCache`) or ``"concat"``
-    (:class:`ConcatKVCache`) runs the prompt once and then one token a step.
+    token; ``"preallocated"`` (:class:`KVCache`), ``"concat"``
+    (:class:`ConcatKVCache`) or ``"paged"`` (:class:`PagedKVCache`) runs the
+    prompt once and then one token a step.
     """
     check_int("max_new_tokens", max_new_tokens, minimum=0)
     if cache is not None:
-        check_choice("cache", cache, ("preallocated", "concat"))
+        check_choice("cache", cache, CACHE_KINDS)
     _check_tokens(prompt, model.vocab_size)
     tokens, new = prompt, prompt  # everything so far; the newest tokens
     caches = None
@@ -696,19 +1004,104 @@ def generate(
     return tokens
 
 
+def left_pad(
+    prompts: Sequence[Tensor], pad_token: int = 0
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Prompts of different lengths as one batch, padded on the left.
+
+    Returns ``tokens`` (B, T) with ``pad_token`` before the shorter prompts,
+    ``real`` (B, T) bool (True at a prompt's own tokens: the key-padding
+    mask) and ``positions`` (B, T): each prompt's own 0, 1, ... (0 on the
+    pads). On the left, every prompt's last token sits in the last column,
+    where the next token is read off, and the new tokens of all rows are
+    written to the same cache positions.
+    """
+    _check_prompts(prompts)
+    T = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), T), pad_token, dtype=torch.int64)
+    real = torch.zeros(len(prompts), T, dtype=torch.bool)
+    for b, prompt in enumerate(prompts):
+        tokens[b, T - len(prompt) :] = prompt
+        real[b, T - len(prompt) :] = True
+    positions = (real.cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
+    device = prompts[0].device
+    return tokens.to(device), real.to(device), positions.to(device)
+
+
+@torch.no_grad()
+def generate_batch(
+    model: Decoder,
+    prompts: Sequence[Tensor],
+    max_new_tokens: int,
+    *,
+    cache: str = "preallocated",
+) -> list[Tensor]:
+    """Greedy decoding of prompts of different lengths, as one batch.
+
+    The prompts are padded on the left (:func:`left_pad`); the pads are
+    masked out of every key, and each row's rotary positions are its own.
+    Returns, per prompt, the prompt and its ``max_new_tokens`` new tokens:
+    what :func:`generate` gives for that prompt alone.
+    """
+    check_int("max_new_tokens", max_new_tokens, minimum=0)
+    check_choice("cache", cache, ("preallocated", "paged"))
+    tokens, real, positions = left_pad(prompts)
+    B, T = tokens.shape
+    _check_tokens(tokens, model.vocab_size)
+    caches = model.new_caches(B, T + max_new_tokens, kind=cache)
+    keys = torch.ones(B, T + max_new_tokens, dtype=torch.bool)
+    keys[:, :T] = real  # (B, T_max): False at the pads, for every step
+    keys = keys.to(tokens.device)[:, None, None, :]  # (B, 1, 1, T_max)
+    new = []
+    seen, at = tokens, positions  # the step's tokens and their positions
+    for _ in range(max_new_tokens):
+        logits = model(seen, caches=caches, positions=at, attn_mask=keys)
+        seen = logits[:, -1].argmax(dim=-1, keepdim=True)  # (B, 1)
+        at = at[:, -1:] + 1  # each row's next position
+        new.append(seen)
+    generated = torch.cat([tokens[:, :0], *new], dim=1)  # (B, new)
+    return [
+        torch.cat((prompt, generated[b])) for b, prompt in enumerate(prompts)
+    ]
+
+
+def _check_prompts(prompts: object) -> None:
+    if isinstance(prompts, Tensor) or not isinstance(prompts, Sequence):
+        raise TypeError(
+            "prompts must be a list of 1-D int64 tensors (one per prompt), "
+            f"got {type(prompts).__name__}"
+        )
+    if not prompts:
+        raise ValueError("prompts must hold at least one prompt, got none")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, Tensor) or prompt.dtype != torch.int64:
+            got = _dtype_or_type(prompt)
+            raise TypeError(
+                f"prompts[{i}] must be an int64 tensor of tokens, got {got}"
+            )
+        if prompt.dim() != 1 or len(prompt) == 0:
+            raise ValueError(
+                f"prompts[{i}] must have shape (T,) with T >= 1, got shape "
+                f"{tuple(prompt.shape)}"
+            )
+
+
+def _dtype_or_type(value: object) -> object:
+    """What an error says came: a tensor's dtype, or the type's name."""
+    return value.dtype if isinstance(value, Tensor) else type(value).__name__
+
+
 def _check_tokens(tokens: object, vocab_size: int) -> None:
     if not isinstance(tokens, Tensor) or tokens.dtype != torch.int64:
-        got = (
-            tokens.dtype
-            if isinstance(tokens, Tensor)
-            else type(tokens).__name__
-        )
+        got = _dtype_or_type(tokens)
         raise TypeError(f"tokens must be an int64 tensor, got {got}")
     if tokens.dim() != 2 or tokens.shape[1] == 0:
         raise ValueError(
             f"tokens must have shape (B, T) with T >= 1, got shape "
             f"{tuple(tokens.shape)}"
         )
+    if torch.compiler.is_compiling():  # reading values would break a graph
+        return
     if not (0 <= int(tokens.min()) and int(tokens.max()) < vocab_size):
         raise ValueError(
             f"tokens must lie in [0, vocab_size) = [0, {vocab_size}), got "

@@ -16,13 +16,27 @@ tile of scores exists at any time (Dao et al., 2022; 2023).
   tile of weights from the logsumexp instead of storing them.
 * :func:`flash_attention_torch` - the same two passes in PyTorch, tied
   together by :class:`FlashAttention`, a ``torch.autograd.Function``.
+* :func:`split_kv_attention` - the keys split among several passes whose
+  partial outputs merge by their logsumexps ("Flash-Decoding"): how a GPU
+  keeps busy when a few queries meet a long cache.
 * :func:`tile_schedule` - which tiles a pass visits (causal attention skips
   the tiles above the diagonal).
 
-Causal attention is top-left aligned, as in
-:func:`mha.reference.causal_mask` and ``F.scaled_dot_product_attention``:
-query ``i`` sees keys ``0..i``. Every query therefore sees key 0, so no row is
-ever empty.
+Causal attention is aligned *bottom-right*, as the flash-attn library does:
+query ``i`` of ``T_q`` sees keys ``0 .. i + T_k - T_q``, so the last query
+sees every key. That is what the ``T_q`` newest tokens need when the first
+``T_k - T_q`` keys come from a cache (one decoding step, a chunk of a long
+prompt); it equals the top-left mask of ``F.scaled_dot_product_attention``'s
+``is_causal`` when ``T_q = T_k``. With ``T_q > T_k`` the first ``T_q - T_k``
+queries see no key at all: their output is zero and their logsumexp
+``-inf``.
+
+Keys and values may have fewer heads than the queries (grouped-query and
+multi-query attention): with ``H`` query heads and ``H_kv`` key/value heads,
+``H_kv`` dividing ``H``, query head ``h`` reads key/value head
+``h // (H / H_kv)``. The code never copies k and v per query head: it views
+q as ``(..., H_kv, G, T_q, d_k)`` with ``G = H / H_kv`` and lets each
+key/value head broadcast over its group of ``G`` query heads.
 """
 
 from __future__ import annotations
@@ -43,7 +57,11 @@ __all__ = [
     "DEFAULT_BLOCK",
     "flash_attention",
     "flash_attention_backward",
+    "split_kv_attention",
+    "merge_partials",
     "tile_schedule",
+    "group_heads",
+    "fused_forward_bytes",
     "FlashAttention",
     "flash_attention_torch",
 ]
@@ -54,24 +72,112 @@ Array = NDArray[np.floating]
 DEFAULT_BLOCK = 64
 
 
+def group_heads(q, k, v):
+    """Views in which each key/value head serves its group of query heads.
+
+    q (..., H, T_q, d_k) becomes (..., H_kv, G, T_q, d_k) with ``G = H /
+    H_kv``; k and v (..., H_kv, T_k, d) become (..., H_kv, 1, T_k, d), so
+    that ``q @ k^T`` broadcasts each key/value head over its ``G`` query
+    heads, ``einsum('...kgqd,...kxsd->...kgqs')``. Query head ``h = kv * G +
+    g`` reads key/value head ``kv = h // G``: the order of ``transformers``'
+    ``repeat_kv``. Equal head counts give ``G = 1``. Works on NumPy arrays
+    and torch tensors alike, and copies nothing.
+
+    Returns:
+        ``(q, k, v, grouped)``; ``grouped`` is False when k and v were not
+        grouped (equal head counts, or leading axes that merely broadcast).
+    """
+    h_q = q.shape[-3] if q.ndim >= 3 else 1
+    h_kv = k.shape[-3] if k.ndim >= 3 else 1
+    grouped = q.ndim >= 3 and k.ndim >= 3 and h_q != h_kv
+    grouped = grouped and h_kv > 0 and h_q % h_kv == 0
+    q = group_queries(q, h_kv if grouped else None)
+    return q, k[..., None, :, :], v[..., None, :, :], grouped
+
+
+def group_queries(x, num_kv_heads: int | None):
+    """(..., H, T, d) -> (..., H_kv, H / H_kv, T, d), a view.
+
+    ``num_kv_heads=None``: (..., H, 1, T, d), a group of one.
+    """
+    if num_kv_heads is None:
+        return x[..., None, :, :]
+    groups = (num_kv_heads, x.shape[-3] // num_kv_heads)
+    return x.reshape(tuple(x.shape[:-3]) + groups + tuple(x.shape[-2:]))
+
+
+def ungroup_heads(x, grouped: bool):
+    """The inverse of :func:`group_queries`: (..., H_kv, G, T, d) -> (..., H,
+    T, d), or (..., 1, T, d) -> (..., T, d) when not ``grouped``."""
+    if not grouped:
+        return x[..., 0, :, :]
+    return x.reshape(tuple(x.shape[:-4]) + (-1,) + tuple(x.shape[-2:]))
+
+
 def key_blocks(
-    rows: slice, t_k: int, block_k: int, causal: bool
+    rows: slice, t_q: int, t_k: int, block_k: int, causal: bool
 ) -> Iterator[slice]:
     """The blocks of keys that the queries ``rows`` attend to.
 
-    With ``causal``, keys after the block's last query are hidden from every
-    query in it: those tiles are skipped, not computed and masked.
+    With ``causal``, the keys after the last query's own position
+    (``rows.stop - 1 + T_k - T_q``, bottom-right aligned) are hidden from
+    every query in the block: those tiles are skipped, not computed and
+    masked.
     """
-    stop = min(t_k, rows.stop) if causal else t_k
+    stop = min(t_k, max(0, rows.stop + t_k - t_q)) if causal else t_k
     for start in range(0, stop, block_k):
         yield slice(start, min(start + block_k, stop))
 
 
-def causal_keep(rows: slice, cols: slice) -> NDArray[np.bool_]:
-    """The causal mask's (len(rows), len(cols)) tile: True = may attend."""
+def causal_keep(rows: slice, cols: slice, offset: int) -> NDArray[np.bool_]:
+    """A (len(rows), len(cols)) tile of the causal mask: True = may attend.
+
+    Query i sees key j when ``j <= i + offset``, ``offset = T_k - T_q``.
+    """
     query = np.arange(rows.start, rows.stop)[:, None]
     key = np.arange(cols.start, cols.stop)[None, :]
-    return key <= query
+    return key <= query + offset
+
+
+def online_softmax(q_tile, k, v, rows, key_tiles, offset, causal, scale):
+    """Stream key tiles past one query tile; their summaries ``(m, ell, acc)``.
+
+    ``m`` is each query's running maximum, ``ell`` its sum of ``exp(score -
+    m)`` and ``acc`` its sum of those exponentials times the values: after
+    the last tile, ``acc / ell`` is the output and ``m + log(ell)`` the
+    logsumexp. A query whose scores are all masked keeps ``m = -inf`` and
+    ``ell = 0``.
+    """
+    m = np.full(q_tile.shape[:-1], -np.inf, dtype=q_tile.dtype)  # (..., B_q)
+    ell = np.zeros_like(m)  # running sum of exp(score - m)
+    acc = np.zeros(q_tile.shape[:-1] + v.shape[-1:], dtype=q_tile.dtype)
+    for cols in key_tiles:
+        k_tile, v_tile = k[..., cols, :], v[..., cols, :]  # (..., B_k, d)
+        scores = q_tile @ np.swapaxes(k_tile, -1, -2) * scale
+        if causal:  # hide the keys after each query
+            keep = causal_keep(rows, cols, offset)
+            scores = np.where(keep, scores, -np.inf)
+        m_new = np.maximum(m, scores.max(axis=-1))  # (..., B_q)
+        # a row with no visible key yet keeps m = -inf: exponentiate
+        # against 0 there, so that exp(-inf - -inf) never makes a NaN
+        m_safe = np.where(np.isneginf(m_new), 0.0, m_new)
+        rescale = np.exp(m - m_safe)  # brings old sums to the new max
+        p = np.exp(scores - m_safe[..., None])  # (..., B_q, B_k)
+        ell = rescale * ell + p.sum(axis=-1)
+        acc = rescale[..., None] * acc + p @ v_tile  # (..., B_q, d_v)
+        m = m_new
+    return m, ell, acc
+
+
+def finish(m, ell, acc):
+    """Output ``acc / ell`` (0 where no key was visible) and logsumexp."""
+    seen = ell > 0
+    out = acc / np.where(seen, ell, 1.0)[..., None]
+    with np.errstate(divide="ignore"):
+        logsumexp = np.where(
+            seen, m + np.log(np.where(seen, ell, 1.0)), -np.inf
+        )
+    return out, logsumexp
 
 
 def flash_attention(
@@ -87,39 +193,33 @@ def flash_attention(
     """softmax(q k^T * scale) v, one (block_q, block_k) tile at a time.
 
     Args:
-        q: (..., T_q, d_k); k: (..., T_k, d_k); v: (..., T_k, d_v).
-        causal: query i attends to keys 0..i only.
+        q: (..., H, T_q, d_k); k: (..., H_kv, T_k, d_k); v: (..., H_kv, T_k,
+            d_v), with H_kv dividing H (query head h reads key/value head
+            ``h // (H / H_kv)``); other leading axes broadcast.
+        causal: bottom-right aligned: query i sees keys 0..i + T_k - T_q.
         block_q, block_k: queries and keys per tile; T need not be a multiple.
         scale: default ``1 / sqrt(d_k)``.
 
     Returns:
-        ``(out, logsumexp)``: (..., T_q, d_v) and (..., T_q), where
-        ``logsumexp[i] = log(sum_j exp(scores[i, j]))`` over the keys i sees.
+        ``(out, logsumexp)``: (..., H, T_q, d_v) and (..., H, T_q), where
+        ``logsumexp[i] = log(sum_j exp(scores[i, j]))`` over the keys i sees
+        (``-inf``, with a zero output row, where it sees none).
     """
-    q, k, v, scale = _check_numpy(q, k, v, block_q, block_k, scale)
+    q, k, v, scale, grouped = _check_numpy(q, k, v, scale)
+    _check_blocks(block_q=block_q, block_k=block_k)
     t_q, t_k, d_v = q.shape[-2], k.shape[-2], v.shape[-1]
     out = np.empty(q.shape[:-1] + (d_v,), dtype=q.dtype)  # (..., T_q, d_v)
     logsumexp = np.empty(q.shape[:-1], dtype=q.dtype)  # (..., T_q)
     for q_start in range(0, t_q, block_q):
         rows = slice(q_start, min(q_start + block_q, t_q))
-        q_tile = q[..., rows, :]  # (..., B_q, d_k)
-        m = np.full(q_tile.shape[:-1], -np.inf, dtype=q.dtype)  # (..., B_q)
-        ell = np.zeros_like(m)  # running sum of exp(score - m)
-        acc = np.zeros(q_tile.shape[:-1] + (d_v,), dtype=q.dtype)
-        for cols in key_blocks(rows, t_k, block_k, causal):
-            k_tile, v_tile = k[..., cols, :], v[..., cols, :]  # (..., B_k, d)
-            scores = q_tile @ np.swapaxes(k_tile, -1, -2) * scale
-            if causal:  # hide the keys after each query
-                scores = np.where(causal_keep(rows, cols), scores, -np.inf)
-            m_new = np.maximum(m, scores.max(axis=-1))  # (..., B_q)
-            rescale = np.exp(m - m_new)  # brings old sums to the new max
-            p = np.exp(scores - m_new[..., None])  # (..., B_q, B_k)
-            ell = rescale * ell + p.sum(axis=-1)
-            acc = rescale[..., None] * acc + p @ v_tile  # (..., B_q, d_v)
-            m = m_new
-        out[..., rows, :] = acc / ell[..., None]
-        logsumexp[..., rows] = m + np.log(ell)
-    return out, logsumexp
+        key_tiles = key_blocks(rows, t_q, t_k, block_k, causal)
+        summaries = online_softmax(
+            q[..., rows, :], k, v, rows, key_tiles, t_k - t_q, causal, scale
+        )
+        out[..., rows, :], logsumexp[..., rows] = finish(*summaries)
+    return ungroup_heads(out, grouped), ungroup_heads(
+        logsumexp[..., None], grouped
+    )[..., 0]
 
 
 def flash_attention_backward(
@@ -140,28 +240,105 @@ def flash_attention_backward(
     The weights of a tile are recomputed from the saved logsumexp,
     ``p = exp(scores - logsumexp)``, instead of being stored by the forward
     pass. With ``delta = rowsum(d_out * out)``, the softmax's gradient is
-    ``d_scores = p * (d_out v^T - delta)``.
+    ``d_scores = p * (d_out v^T - delta)``. With grouped heads, dk and dv
+    sum over the query heads of each group.
     """
-    q, k, v, scale = _check_numpy(q, k, v, block_q, block_k, scale)
-    out, logsumexp, d_out = _check_saved(q, v, out, logsumexp, d_out)
-    t_q, t_k = q.shape[-2], k.shape[-2]
+    q, k, v, scale, grouped = _check_numpy(q, k, v, scale)
+    _check_blocks(block_q=block_q, block_k=block_k)
+    out, logsumexp, d_out = _check_saved(q, v, grouped, out, logsumexp, d_out)
+    t_q, t_k, offset = q.shape[-2], k.shape[-2], k.shape[-2] - q.shape[-2]
     delta = np.sum(d_out * out, axis=-1)  # (..., T_q)
-    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    dq = np.zeros_like(q)  # (..., H_kv, G, T_q, d_k)
+    dk, dv = np.zeros_like(k), np.zeros_like(v)  # (..., H_kv, 1, T_k, d)
     for q_start in range(0, t_q, block_q):
         rows = slice(q_start, min(q_start + block_q, t_q))
         q_tile, do_tile = q[..., rows, :], d_out[..., rows, :]
-        for cols in key_blocks(rows, t_k, block_k, causal):
+        for cols in key_blocks(rows, t_q, t_k, block_k, causal):
             k_tile, v_tile = k[..., cols, :], v[..., cols, :]  # (..., B_k, d)
             scores = q_tile @ np.swapaxes(k_tile, -1, -2) * scale
             if causal:
-                scores = np.where(causal_keep(rows, cols), scores, -np.inf)
-            p = np.exp(scores - logsumexp[..., rows, None])  # recomputed
-            dv[..., cols, :] += np.swapaxes(p, -1, -2) @ do_tile
+                keep = causal_keep(rows, cols, offset)
+                scores = np.where(keep, scores, -np.inf)
+            with np.errstate(invalid="ignore"):  # -inf - -inf: rows, no key
+                p = np.exp(scores - logsumexp[..., rows, None])  # recomputed
+            p = np.where(np.isneginf(scores), 0.0, p)
+            dv_tile = np.swapaxes(p, -1, -2) @ do_tile  # (..., G, B_k, d_v)
+            dv[..., cols, :] += dv_tile.sum(axis=-3, keepdims=True)
             dp = do_tile @ np.swapaxes(v_tile, -1, -2)  # (..., B_q, B_k)
             ds = p * (dp - delta[..., rows, None])  # d scores
             dq[..., rows, :] += ds @ k_tile * scale
-            dk[..., cols, :] += np.swapaxes(ds, -1, -2) @ q_tile * scale
-    return dq, dk, dv
+            dk_tile = np.swapaxes(ds, -1, -2) @ q_tile * scale
+            dk[..., cols, :] += dk_tile.sum(axis=-3, keepdims=True)
+    return (
+        ungroup_heads(dq, grouped),
+        ungroup_heads(dk, False),
+        ungroup_heads(dv, False),
+    )
+
+
+def split_kv_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    num_splits: int,
+    causal: bool = False,
+    block_k: int = DEFAULT_BLOCK,
+    scale: float | None = None,
+) -> tuple[Array, Array]:
+    """:func:`flash_attention` with the keys cut into ``num_splits`` parts.
+
+    Each part is an independent pass (on a GPU, its own programs) over its
+    keys that returns a partial output and a partial logsumexp per query;
+    :func:`merge_partials` merges them. All queries form one tile: meant for
+    few queries and many keys, one decoding step. ``ceil(T_k / num_splits)``
+    keys per split, so at most ``num_splits`` splits.
+
+    Returns:
+        ``(out, logsumexp)`` as :func:`flash_attention`.
+    """
+    q, k, v, scale, grouped = _check_numpy(q, k, v, scale)
+    _check_blocks(block_k=block_k)
+    check_int("num_splits", num_splits)
+    t_q, t_k = q.shape[-2], k.shape[-2]
+    chunk = math.ceil(t_k / num_splits)  # keys per split
+    outs, logsumexps = [], []
+    for start in range(0, t_k, chunk):  # on a GPU: side by side
+        stop = min(start + chunk, t_k)
+        key_tiles = [
+            slice(j, min(j + block_k, stop))
+            for j in range(start, stop, block_k)
+        ]
+        summaries = online_softmax(
+            q, k, v, slice(0, t_q), key_tiles, t_k - t_q, causal, scale
+        )
+        out, logsumexp = finish(*summaries)  # the softmax over this split
+        outs.append(out)  # (..., T_q, d_v)
+        logsumexps.append(logsumexp)  # (..., T_q)
+    out, logsumexp = merge_partials(np.stack(outs), np.stack(logsumexps))
+    return ungroup_heads(out, grouped), ungroup_heads(
+        logsumexp[..., None], grouped
+    )[..., 0]
+
+
+def merge_partials(outs: Array, logsumexps: Array) -> tuple[Array, Array]:
+    """Merge the softmaxes of parts of the keys: (S, ..., T_q, d_v), (S, ...).
+
+    Part s saw keys with logsumexp ``L_s`` and gave output ``o_s``; the
+    softmax over all keys weighs each part by its share of the total,
+    ``exp(L_s - L)``, with ``L = log(sum_s exp(L_s))``: the merge of two
+    summaries in the online softmax, for any number of parts. A part that
+    saw no key (``L_s = -inf``) weighs nothing.
+    """
+    top = logsumexps.max(axis=0)  # (..., T_q)
+    top = np.where(np.isneginf(top), 0.0, top)  # every part empty: no NaN
+    weights = np.exp(logsumexps - top)  # (S, ..., T_q)
+    total = weights.sum(axis=0)
+    out = (weights[..., None] * outs).sum(axis=0)
+    out = out / np.where(total > 0, total, 1.0)[..., None]
+    with np.errstate(divide="ignore"):
+        logsumexp = top + np.log(total)  # -inf where every part was empty
+    return out, logsumexp
 
 
 def tile_schedule(
@@ -188,10 +365,51 @@ def tile_schedule(
     tiles = np.zeros((n_q, n_k), dtype=np.int8)
     for i, q_start in enumerate(range(0, t_q, block_q)):
         rows = slice(q_start, min(q_start + block_q, t_q))
-        for cols in key_blocks(rows, t_k, block_k, causal):
-            whole = not causal or causal_keep(rows, cols).all()
+        for cols in key_blocks(rows, t_q, t_k, block_k, causal):
+            keep = causal_keep(rows, cols, t_k - t_q)
+            whole = not causal or keep.all()
             tiles[i, cols.start // block_k] = 1 if whole else 2
     return tiles
+
+
+def fused_forward_bytes(
+    batch: int,
+    heads: int,
+    t_q: int,
+    t_k: int,
+    head_dim: int,
+    *,
+    kv_heads: int | None = None,
+    block_q: int | None = None,
+    bytes_per_element: int = 2,
+) -> int:
+    """Bytes a fused forward pass moves between main memory and the chip.
+
+    Every query head reads its q rows and writes its output rows once. Each
+    program (one query tile of one query head) streams all of its key/value
+    head's k and v: with ``block_q`` given, nothing is shared between
+    programs, so k and v are read ``ceil(T_q / block_q)`` times per query
+    head; with ``block_q=None`` each key/value head is read once, the best a
+    cache shared by the programs (the GPU's L2) can do. Non-causal.
+    """
+    kv_heads = heads if kv_heads is None else kv_heads
+    for name, value in (
+        ("batch", batch),
+        ("heads", heads),
+        ("t_q", t_q),
+        ("t_k", t_k),
+        ("head_dim", head_dim),
+        ("kv_heads", kv_heads),
+        ("bytes_per_element", bytes_per_element),
+    ):
+        check_int(name, value)
+    queries = 2 * heads * t_q * head_dim  # q read, output written
+    if block_q is None:
+        keys = 2 * kv_heads * t_k * head_dim  # k and v, once per head
+    else:
+        reads = math.ceil(t_q / check_int("block_q", block_q))
+        keys = reads * 2 * heads * t_k * head_dim
+    return batch * (queries + keys) * bytes_per_element
 
 
 # ---------------------------------------------------------------------------
@@ -207,7 +425,10 @@ def _tiled_forward(
     block_k: int,
     scale: float,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`flash_attention` in torch; running sums in float32 or wider."""
+    """:func:`flash_attention` in torch; running sums in float32 or wider.
+
+    q (..., G, T_q, d_k), k and v (..., 1, T_k, d): grouped heads.
+    """
     t_q, t_k = q.shape[-2], k.shape[-2]
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     out = torch.empty(
@@ -224,22 +445,28 @@ def _tiled_forward(
         acc = torch.zeros(
             q_tile.shape[:-1] + v.shape[-1:], dtype=acc_dtype, device=q.device
         )  # (..., B_q, d_v)
-        for cols in key_blocks(rows, t_k, block_k, causal):
+        for cols in key_blocks(rows, t_q, t_k, block_k, causal):
             scores = (q_tile @ k[..., cols, :].transpose(-1, -2)).to(acc_dtype)
             scores = scores * scale  # (..., B_q, B_k)
             if causal:
-                keep = torch.from_numpy(causal_keep(rows, cols)).to(q.device)
+                keep = _causal_keep_torch(rows, cols, t_k - t_q, q.device)
                 scores = scores.masked_fill(~keep, -math.inf)
             m_new = torch.maximum(m, scores.amax(dim=-1))
-            rescale = torch.exp(m - m_new)
-            p = torch.exp(scores - m_new[..., None])  # (..., B_q, B_k)
+            m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)
+            rescale = torch.exp(m - m_safe)
+            p = torch.exp(scores - m_safe[..., None])  # (..., B_q, B_k)
             ell = rescale * ell + p.sum(dim=-1)
             pv = p.to(v.dtype) @ v[..., cols, :]  # (..., B_q, d_v)
             acc = rescale[..., None] * acc + pv.to(acc_dtype)
             m = m_new
-        out[..., rows, :] = (acc / ell[..., None]).to(q.dtype)
-        logsumexp[..., rows] = m + torch.log(ell)
+        seen = ell > 0  # False: the query saw no key (T_q > T_k, causal)
+        out[..., rows, :] = (acc / ell.where(seen, 1.0)[..., None]).to(q.dtype)
+        logsumexp[..., rows] = (m + torch.log(ell)).where(seen, -math.inf)
     return out, logsumexp
+
+
+def _causal_keep_torch(rows, cols, offset, device) -> Tensor:
+    return torch.from_numpy(causal_keep(rows, cols, offset)).to(device)
 
 
 def _tiled_backward(
@@ -258,13 +485,14 @@ def _tiled_backward(
     """:func:`flash_attention_backward` in torch, and the logsumexp's gradient.
 
     ``d logsumexp_i / d score_ij = p_ij``, so a gradient arriving at the
-    logsumexp adds ``p * d_logsumexp`` to the scores' gradient.
+    logsumexp adds ``p * d_logsumexp`` to the scores' gradient. Grouped
+    heads as in :func:`_tiled_forward`; dk and dv sum over each group.
     """
     t_q, t_k = q.shape[-2], k.shape[-2]
     acc_dtype = logsumexp.dtype
     delta = (d_out.to(acc_dtype) * out.to(acc_dtype)).sum(dim=-1)  # (..,T_q)
-    if d_logsumexp is not None:
-        delta = delta - d_logsumexp.to(acc_dtype)
+    if d_logsumexp is not None:  # zero where a query saw no key
+        delta = delta - d_logsumexp.to(acc_dtype).nan_to_num(0.0)
     dq, dk, dv = (
         torch.zeros(t.shape, dtype=acc_dtype, device=t.device)
         for t in (q, k, v)
@@ -272,20 +500,20 @@ def _tiled_backward(
     for q_start in range(0, t_q, block_q):
         rows = slice(q_start, min(q_start + block_q, t_q))
         q_tile, do_tile = q[..., rows, :], d_out[..., rows, :]
-        for cols in key_blocks(rows, t_k, block_k, causal):
+        for cols in key_blocks(rows, t_q, t_k, block_k, causal):
             k_tile, v_tile = k[..., cols, :], v[..., cols, :]
             scores = (q_tile @ k_tile.transpose(-1, -2)).to(acc_dtype) * scale
-            if causal:
-                keep = torch.from_numpy(causal_keep(rows, cols)).to(q.device)
-                scores = scores.masked_fill(~keep, -math.inf)
             p = torch.exp(scores - logsumexp[..., rows, None])  # recomputed
-            dv[..., cols, :] += p.transpose(-1, -2) @ do_tile.to(acc_dtype)
+            if causal:
+                keep = _causal_keep_torch(rows, cols, t_k - t_q, q.device)
+                p = p.masked_fill(~keep, 0.0)
+            dv_tile = p.transpose(-1, -2) @ do_tile.to(acc_dtype)
+            dv[..., cols, :] += dv_tile.sum(dim=-3, keepdim=True)
             dp = (do_tile @ v_tile.transpose(-1, -2)).to(acc_dtype)
             ds = p * (dp - delta[..., rows, None])  # (..., B_q, B_k)
             dq[..., rows, :] += ds @ k_tile.to(acc_dtype) * scale
-            dk[..., cols, :] += (
-                ds.transpose(-1, -2) @ q_tile.to(acc_dtype) * scale
-            )
+            dk_tile = ds.transpose(-1, -2) @ q_tile.to(acc_dtype) * scale
+            dk[..., cols, :] += dk_tile.sum(dim=-3, keepdim=True)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -298,9 +526,12 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, block_q, block_k, scale):
+        *grouped_qkv, grouped = group_heads(q, k, v)
         out, logsumexp = _tiled_forward(
-            q, k, v, causal, block_q, block_k, scale
+            *grouped_qkv, causal, block_q, block_k, scale
         )
+        out = ungroup_heads(out, grouped)  # (..., H, T_q, d_v)
+        logsumexp = ungroup_heads(logsumexp[..., None], grouped)[..., 0]
         ctx.save_for_backward(q, k, v, out, logsumexp)
         ctx.settings = (causal, block_q, block_k, scale)
         return out, logsumexp
@@ -310,9 +541,16 @@ class FlashAttention(torch.autograd.Function):
         q, k, v, out, logsumexp = ctx.saved_tensors
         if d_out is None:
             d_out = torch.zeros_like(out)
-        grads = _tiled_backward(
+        q, k, v, grouped = group_heads(q, k, v)
+        h_kv = k.shape[-4] if grouped else None
+        out, d_out = group_queries(out, h_kv), group_queries(d_out, h_kv)
+        logsumexp = group_queries(logsumexp[..., None], h_kv)[..., 0]
+        if d_logsumexp is not None:
+            d_logsumexp = group_queries(d_logsumexp[..., None], h_kv)[..., 0]
+        dq, dk, dv = _tiled_backward(
             q, k, v, out, logsumexp, d_out, d_logsumexp, *ctx.settings
         )
+        grads = ungroup_heads(dq, grouped), dk[..., 0, :, :], dv[..., 0, :, :]
         return (*grads, None, None, None, None)
 
 
@@ -331,13 +569,15 @@ def flash_attention_torch(
     Autograd runs :class:`FlashAttention`'s backward pass.
 
     Args:
-        q: (..., T_q, d_k); k: (..., T_k, d_k); v: (..., T_k, d_v), on one
-            device, one floating dtype, the same leading axes.
-        causal, block_q, block_k, scale: as in :func:`flash_attention`.
+        q: (..., H, T_q, d_k); k: (..., H_kv, T_k, d_k); v: (..., H_kv, T_k,
+            d_v), H_kv dividing H; one device, one floating dtype, the same
+            other leading axes.
+        causal, block_q, block_k, scale: as in :func:`flash_attention`
+            (``causal`` bottom-right aligned).
 
     Returns:
-        ``(out, logsumexp)``: (..., T_q, d_v) in the inputs' dtype and
-        (..., T_q) in float32 (float64 for float64 inputs).
+        ``(out, logsumexp)``: (..., H, T_q, d_v) in the inputs' dtype and
+        (..., H, T_q) in float32 (float64 for float64 inputs).
     """
     scale = _check_torch(q, k, v, block_q, block_k, scale)
     return FlashAttention.apply(q, k, v, bool(causal), block_q, block_k, scale)
@@ -347,9 +587,9 @@ def flash_attention_torch(
 # Argument checks (see mha._validate).
 
 
-def _check_blocks(block_q: object, block_k: object) -> None:
-    check_int("block_q", block_q)
-    check_int("block_k", block_k)
+def _check_blocks(**blocks: object) -> None:
+    for name, value in blocks.items():
+        check_int(name, value)
 
 
 def _check_scale(scale: object, d_k: int) -> float:
@@ -373,28 +613,56 @@ def _check_lengths(q_shape: tuple, k_shape: tuple) -> None:
         )
 
 
-def _check_numpy(q, k, v, block_q, block_k, scale):
-    """Arrays of one floating dtype, broadcast to common leading axes."""
+def _check_head_counts(q_shape: tuple, k_shape: tuple, v_shape: tuple):
+    """Key/value heads H_kv (axis -3) that divide the query heads H."""
+    if min(len(q_shape), len(k_shape), len(v_shape)) < 3:
+        return
+    heads, kv_heads = q_shape[-3], k_shape[-3]
+    if v_shape[-3] != kv_heads:
+        raise ValueError(
+            "k and v must have the same number of heads H_kv (axis -3), got "
+            f"k {tuple(k_shape)} and v {tuple(v_shape)}"
+        )
+    if 1 in (heads, kv_heads) or heads % kv_heads == 0:
+        return
+    raise ValueError(
+        "k and v must have a number of heads H_kv (axis -3) that divides "
+        f"q's H, got H = {heads} (q {tuple(q_shape)}) and H_kv = {kv_heads} "
+        f"(k {tuple(k_shape)})"
+    )
+
+
+def _check_numpy(q, k, v, scale):
+    """Floating arrays of one dtype, grouped (:func:`group_heads`) and
+    broadcast to common leading axes; the scale; whether heads are grouped.
+    """
+    q, k, v = (np.asarray(t) for t in (q, k, v))
+    _check_head_counts(q.shape, k.shape, v.shape)
+    grouped = False
+    if min(q.ndim, k.ndim, v.ndim) >= 2:  # otherwise the check below says so
+        q, k, v, grouped = group_heads(q, k, v)
     q, k, v, _ = _check_attention_inputs(q, k, v, None)
-    _check_blocks(block_q, block_k)
     _check_lengths(q.shape, k.shape)
     scale = _check_scale(scale, q.shape[-1])
-    lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    lead = np.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     dtype = np.result_type(q, k, v)
     q, k, v = (
-        np.broadcast_to(t, lead + t.shape[-2:]).astype(dtype, copy=False)
+        np.broadcast_to(t, lead + t.shape[-3:]).astype(dtype, copy=False)
         for t in (q, k, v)
     )
-    return q, k, v, scale
+    return q, k, v, scale, grouped
 
 
-def _check_saved(q, v, out, logsumexp, d_out):
-    """``out``, ``d_out`` shaped as the output, ``logsumexp`` as its rows."""
+def _check_saved(q, v, grouped, out, logsumexp, d_out):
+    """``out``, ``d_out`` shaped as the output, ``logsumexp`` as its rows;
+    returned grouped as ``q`` is."""
+    rows = ungroup_heads(q[..., :1], grouped).shape[:-1]  # (..., H, T_q)
     expected = {
-        "out": q.shape[:-1] + v.shape[-1:],
-        "d_out": q.shape[:-1] + v.shape[-1:],
-        "logsumexp": q.shape[:-1],
+        "out": rows + v.shape[-1:],
+        "d_out": rows + v.shape[-1:],
+        "logsumexp": rows,
     }
+    kv_heads = q.shape[-4] if grouped else None
     arrays = {"out": out, "logsumexp": logsumexp, "d_out": d_out}
     for name, value in arrays.items():
         array = np.asarray(value)
@@ -407,7 +675,11 @@ def _check_saved(q, v, out, logsumexp, d_out):
             raise ValueError(
                 f"{name} must have shape {expected[name]}, got {array.shape}"
             )
-        arrays[name] = array.astype(q.dtype, copy=False)
+        array = array.astype(q.dtype, copy=False)
+        if name == "logsumexp":
+            arrays[name] = group_queries(array[..., None], kv_heads)[..., 0]
+        else:
+            arrays[name] = group_queries(array, kv_heads)
     return arrays["out"], arrays["logsumexp"], arrays["d_out"]
 
 
@@ -442,11 +714,17 @@ def _check_torch(q, k, v, block_q, block_k, scale) -> float:
             f"(..., T_k, d_v), got {tuple(q.shape)}, {tuple(k.shape)}, "
             f"{tuple(v.shape)}"
         )
-    if not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
+    if not q.shape[:-3] == k.shape[:-3] == v.shape[:-3] or q.ndim != k.ndim:
         raise ValueError(
-            "q, k and v must have the same leading (batch, head) axes, got "
+            "q, k and v must have the same leading (batch) axes, got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    _check_blocks(block_q, block_k)
+    _check_head_counts(q.shape, k.shape, v.shape)
+    if q.ndim >= 3 and q.shape[-3] < k.shape[-3]:
+        raise ValueError(
+            f"k and v must not have more heads than q, got q {tuple(q.shape)} "
+            f"and k {tuple(k.shape)}"
+        )
+    _check_blocks(block_q=block_q, block_k=block_k)
     _check_lengths(q.shape, k.shape)
     return _check_scale(scale, q.shape[-1])

@@ -527,7 +527,8 @@ def test_every_decode_step_equals_the_last_row_of_the_full_forward(
     with torch.no_grad():
         expected = layer(torch.cat((context, x_new), dim=1))[:, -1:]  # causal, positions 0..9
     assert set(bench.DECODE_IMPLEMENTATIONS).isdisjoint(bench.IMPLEMENTATIONS)
-    for impl in bench.DECODE_IMPLEMENTATIONS:
+    # the default entries; the compiled ones: tests/test_compiled_decoding.py
+    for impl in bench.select(bench.DECODE_IMPLEMENTATIONS, None, "cpu"):
         runner = bench.build_runner(bench.DECODE_IMPLEMENTATIONS, impl, layer, context, x_new)
         with torch.no_grad():
             first, second = runner(), runner()  # the same step every call
@@ -552,7 +553,7 @@ def test_decode_cli_writes_json_with_ratios(tmp_path, capsys) -> None:
     assert config["mode"] == "decode" and config["kv_heads"] == [4, 2, 1]
     assert config["batches"] == [2] and config["contexts"] == [5, 9]
     rows = report["results"]
-    impls = list(bench.DECODE_IMPLEMENTATIONS)
+    impls = bench.select(bench.DECODE_IMPLEMENTATIONS, None, "cpu")  # the defaults
     assert len(rows) == 2 * 3 * len(impls)  # T, H_kv, implementation
     for row in rows:
         assert row["status"] == "ok", row

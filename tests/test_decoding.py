@@ -17,9 +17,12 @@ from mha.decoding import (
     Decoder,
     GroupedQueryAttention,
     KVCache,
+    PagedKVCache,
     generate,
+    generate_batch,
     grouped_attention,
     grouped_from_multi_head,
+    left_pad,
 )
 from mha.functional import causal_mask, grouped_query_state_dict
 
@@ -292,6 +295,7 @@ def test_greedy_generation_is_the_same_with_and_without_a_cache(num_kv_heads: in
     assert plain.shape == (3, 17) and torch.equal(plain[:, :5], prompt)
     assert torch.equal(generate(model, prompt, 12, cache="preallocated"), plain)
     assert torch.equal(generate(model, prompt, 12, cache="concat"), plain)
+    assert torch.equal(generate(model, prompt, 12, cache="paged"), plain)
     # Greedy: every new token is the argmax of the model's logits on everything before it.
     logits = model(plain[:, :-1])
     assert torch.equal(logits[:, 4:].argmax(-1), plain[:, 5:])
@@ -387,17 +391,23 @@ def test_rope_with_odd_head_width_is_refused() -> None:
     GroupedQueryAttention(12, 4, 2, rope_base=None)  # without RoPE an odd d_k is fine
 
 
+def cache_tensors(cache) -> list[torch.Tensor]:
+    if isinstance(cache, PagedKVCache):
+        return [cache.key_blocks, cache.value_blocks, cache.block_table]
+    return [cache.keys, cache.values]
+
+
 def snapshot(cache):
-    return len(cache), cache.keys.clone(), cache.values.clone()
+    return len(cache), [t.clone() for t in cache_tensors(cache)]
 
 
 def assert_unchanged(cache, before) -> None:
-    length, keys, values = before
+    length, tensors = before
     assert len(cache) == length
-    assert torch.equal(cache.keys, keys) and torch.equal(cache.values, values)
+    assert all(torch.equal(a, b) for a, b in zip(cache_tensors(cache), tensors))
 
 
-@pytest.mark.parametrize("kind", ["preallocated", "concat"])
+@pytest.mark.parametrize("kind", ["preallocated", "concat", "paged"])
 def test_errors_leave_the_cache_untouched(kind: str) -> None:
     layer = make_layer(2, dtype=torch.float32)
     x = randn(2, 6, D, seed=15, dtype=torch.float32)
@@ -405,6 +415,8 @@ def test_errors_leave_the_cache_untouched(kind: str) -> None:
     def new_cache(batch=2, heads=2, dtype=torch.float32, device=None):
         if kind == "preallocated":
             return KVCache(batch, 8, heads, D_K, dtype=dtype, device=device)
+        if kind == "paged":
+            return PagedKVCache(batch, 8, heads, D_K, block_size=4, dtype=dtype, device=device)
         return ConcatKVCache(batch, heads, D_K, max_len=8, dtype=dtype, device=device)
 
     cache = new_cache()
@@ -413,8 +425,8 @@ def test_errors_leave_the_cache_untouched(kind: str) -> None:
     with pytest.raises(ValueError, match=r"max_len = 8 tokens and holds 5: 6 new tokens"):
         layer(x, cache=cache)  # too many tokens for the room left
     assert_unchanged(cache, before)
-    with pytest.raises(ValueError, match=r"positions must continue the cache: 5 \.\. 5"):
-        layer(x[:, :1], cache=cache, positions=torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"positions must be >= 0.*got values -1 \.\. -1"):
+        layer(x[:, :1], cache=cache, positions=torch.tensor([-1]))
     assert_unchanged(cache, before)
     with pytest.raises(ValueError, match=r"positions must have shape \(T,\) = \(1,\)"):
         layer(x[:, :1], cache=cache, positions=torch.tensor([5, 6]))
@@ -438,9 +450,9 @@ def test_errors_leave_the_cache_untouched(kind: str) -> None:
         before = snapshot(other) if name != "device" else None
         with pytest.raises(error, match=message):
             layer(x[:, :2], cache=other)
-        if before is not None:
+        if before is not None:  # (a cache on the meta device has no values to read)
             assert_unchanged(other, before)
-        assert len(other) == 0, name
+            assert len(other) == 0, name
 
 
 def test_cache_update_errors() -> None:
@@ -492,6 +504,110 @@ def test_generation_errors() -> None:
         generate(model, prompt.float(), 2)
     with pytest.raises(ValueError, match="caches must hold one cache per layer"):
         model(prompt, caches=model.new_caches(1, 4)[:1])
+
+
+# ---------------------------------------------------------------------------------------------
+# A batch of prompts of different lengths: left padding, per-row positions, a key-padding mask
+
+
+PROMPT_LENGTHS = (3, 7, 1, 5)
+
+
+def prompts_of(lengths=PROMPT_LENGTHS, seed: int = 20) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 13, (n,), generator=gen) for n in lengths]
+
+
+def test_left_pad_by_hand() -> None:
+    tokens, real, positions = left_pad(
+        [torch.tensor([5, 6]), torch.tensor([7, 8, 9])], pad_token=0
+    )
+    assert tokens.tolist() == [[0, 5, 6], [7, 8, 9]]
+    assert real.tolist() == [[False, True, True], [True, True, True]]
+    assert positions.tolist() == [[0, 0, 1], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("kind", ["preallocated", "paged"])
+@pytest.mark.parametrize("num_kv_heads", [8, 2, 1])
+def test_layer_on_a_left_padded_batch_equals_each_prompt_alone(
+    kind: str, num_kv_heads: int
+) -> None:
+    layer = make_layer(num_kv_heads)
+    gen = torch.Generator().manual_seed(21)
+    xs = [torch.randn(n, D, generator=gen, dtype=torch.float64) for n in PROMPT_LENGTHS]
+    steps = 4
+    new = torch.randn(len(xs), steps, D, generator=gen, dtype=torch.float64)  # (B, steps, D)
+    T = max(PROMPT_LENGTHS)
+    x = torch.zeros(len(xs), T, D, dtype=torch.float64)
+    for b, rows in enumerate(xs):
+        x[b, T - len(rows) :] = rows  # left padding (the pads' inputs are zeros)
+    _, real, positions = left_pad([torch.zeros(n, dtype=torch.int64) for n in PROMPT_LENGTHS])
+    if kind == "paged":
+        cache = PagedKVCache(
+            len(xs), T + steps, num_kv_heads, D_K, block_size=4, dtype=torch.float64
+        )
+    else:
+        cache = KVCache(len(xs), T + steps, num_kv_heads, D_K, dtype=torch.float64)
+    keys = torch.ones(len(xs), T + steps, dtype=torch.bool)
+    keys[:, :T] = real
+    mask = keys[:, None, None, :]  # (B, 1, 1, T_max): False at the pads
+    with torch.no_grad():
+        outs = [layer(x, cache=cache, positions=positions, attn_mask=mask)]
+        at = positions[:, -1:]
+        for t in range(steps):
+            at = at + 1
+            outs.append(layer(new[:, t : t + 1], cache=cache, positions=at, attn_mask=mask))
+        batched = torch.cat(outs, dim=1)  # (B, T + steps, D)
+        for b, rows in enumerate(xs):
+            alone = layer(torch.cat((rows, new[b]))[None])  # positions 0.. by default
+            assert_close(batched[b, T - len(rows) :], alone[0])
+    assert not batched.isnan().any()  # pad queries see no key: zeros, not NaN
+
+
+@pytest.mark.parametrize("cache", ["preallocated", "paged"])
+@pytest.mark.parametrize("num_kv_heads", [4, 1])
+def test_generate_batch_gives_each_prompt_what_it_gets_alone(
+    cache: str, num_kv_heads: int
+) -> None:
+    model = small_decoder(num_kv_heads, seed=3)
+    prompts = prompts_of()
+    batched = generate_batch(model, prompts, 9, cache=cache)
+    for prompt, row in zip(prompts, batched):
+        alone = generate(model, prompt[None], 9)[0]
+        assert torch.equal(row, alone)
+
+
+def test_per_row_positions_with_a_cache_are_accepted() -> None:
+    # Each row continues its own positions: row 1 started 3 tokens later than row 0.
+    layer = make_layer(2)
+    x = randn(2, 6, D, seed=22)
+    cache = KVCache(2, 6, 2, D_K, dtype=torch.float64)
+    rows = torch.stack([torch.arange(0, 5), torch.arange(3, 8)])
+    with torch.no_grad():
+        first = layer(x[:, :5], cache=cache, positions=rows)
+        step = layer(x[:, 5:], cache=cache, positions=rows[:, -1:] + 1)
+    assert_close(torch.cat((first, step), dim=1), layer(x))  # RoPE: offsets only
+
+
+def test_batch_errors() -> None:
+    model = small_decoder(2)
+    with pytest.raises(TypeError, match=r"prompts must be a list of 1-D int64 tensors"):
+        generate_batch(model, torch.zeros(2, 3, dtype=torch.int64), 2)
+    with pytest.raises(ValueError, match="prompts must hold at least one prompt"):
+        generate_batch(model, [], 2)
+    with pytest.raises(ValueError, match=r"prompts\[1\] must have shape \(T,\) with T >= 1"):
+        generate_batch(model, [torch.tensor([1]), torch.tensor([], dtype=torch.int64)], 2)
+    with pytest.raises(TypeError, match=r"prompts\[0\] must be an int64 tensor"):
+        generate_batch(model, [torch.tensor([1.0])], 2)
+    with pytest.raises(ValueError, match="cache must be one of 'preallocated', 'paged'"):
+        generate_batch(model, [torch.tensor([1])], 2, cache="concat")
+    layer = make_layer(2)
+    cache = KVCache(2, 8, 2, D_K, dtype=torch.float64)
+    layer(randn(2, 3, D), cache=cache)
+    with pytest.raises(
+        ValueError, match=r"T_k = len\(cache\) \+ T = 4 or 8, or the cache's max_len"
+    ):
+        layer(randn(2, 1, D), cache=cache, attn_mask=torch.ones(2, 1, 1, 5, dtype=torch.bool))
 
 
 # ---------------------------------------------------------------------------------------------

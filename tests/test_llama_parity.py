@@ -10,6 +10,8 @@ additive float mask, 0 where a query may attend and -inf elsewhere, aligned to t
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from mha.decoding import ConcatKVCache, GroupedQueryAttention, KVCache
@@ -17,7 +19,7 @@ from transformers import LlamaConfig
 from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-from helpers import randn
+from helpers import ROPE_PARAMETERS, randn
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -147,3 +149,105 @@ def test_decoding_equals_llama_attention_with_static_cache(num_kv_heads: int) ->
                 chunk, rotary(chunk, positions[:, start:end]), mask, past_key_values=their_cache
             )
             torch.testing.assert_close(ours(chunk, cache=cache), expected, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# from_config: the layer transformers builds from a configuration, scaled RoPE included
+
+
+def scaled_config(rope_type: str, num_kv_heads: int = 2, bias: bool = False) -> LlamaConfig:
+    config = LlamaConfig(
+        hidden_size=128,
+        num_attention_heads=4,  # d_k = 32
+        num_key_value_heads=num_kv_heads,
+        num_hidden_layers=1,
+        vocab_size=16,
+        max_position_embeddings=16384,
+        attention_bias=bias,
+        rope_parameters=dict(ROPE_PARAMETERS[rope_type]),
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 1])
+@pytest.mark.parametrize("rope_type", ["default", "linear", "llama3", "yarn"])
+def test_from_config_equals_llama_attention(rope_type: str, num_kv_heads: int) -> None:
+    config = scaled_config(rope_type, num_kv_heads, bias=rope_type == "linear")
+    torch.manual_seed(5)
+    theirs = LlamaAttention(config, layer_idx=0).eval()
+    ours = GroupedQueryAttention.from_config(config).eval()
+    ours.load_state_dict(theirs.state_dict())
+    rotary = LlamaRotaryEmbedding(config)
+    x = randn(2, 10, 128, seed=6, dtype=torch.float32)
+    their_cache = DynamicCache(config=config)
+    cache = KVCache(2, 10, num_kv_heads, 32)
+    positions = torch.arange(9000, 9010)  # far past the original contexts
+    with torch.no_grad():
+        for start, end in [(0, 6), (6, 7), (7, 8), (8, 10)]:
+            chunk, at = x[:, start:end], positions[start:end]
+            mask = additive_causal(end - start, end) if end - start > 1 else None
+            expected, _ = theirs(chunk, rotary(chunk, at[None]), mask, past_key_values=their_cache)
+            actual = ours(chunk, cache=cache, positions=at)
+            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+        if rope_type != "default":  # the scaling matters: the plain base would be wrong
+            plain = GroupedQueryAttention(128, 4, num_kv_heads, bias=config.attention_bias)
+            plain.load_state_dict(theirs.state_dict())
+            assert (
+                plain(x, positions=positions) - ours(x, positions=positions)
+            ).abs().max() > 1e-2
+
+
+def test_from_config_takes_a_dict_or_an_object_with_the_same_fields() -> None:
+    fields = {
+        "hidden_size": 64,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 8192,
+        "rope_parameters": dict(ROPE_PARAMETERS["llama3"]),
+    }
+    from_dict = GroupedQueryAttention.from_config(fields)
+    from_object = GroupedQueryAttention.from_config(SimpleNamespace(**fields))
+    from_llama = GroupedQueryAttention.from_config(LlamaConfig(**fields))
+    for layer in (from_dict, from_object, from_llama):
+        assert (layer.num_heads, layer.num_kv_heads, layer.head_dim) == (8, 2, 8)
+        assert layer.q_proj.bias is None and layer.rope.rope_type == "llama3"
+        assert layer.rope == from_llama.rope
+    # Only rope_theta, no rope_parameters: the default rotation with that base.
+    legacy = GroupedQueryAttention.from_config(
+        {**fields, "rope_parameters": None, "rope_theta": 5e5}
+    )
+    assert legacy.rope.rope_type == "default" and legacy.rope_base == 5e5
+
+
+def test_from_config_errors_name_the_field() -> None:
+    fields = {"hidden_size": 64, "num_attention_heads": 8, "max_position_embeddings": 512}
+    with pytest.raises(ValueError, match=r"rope_type 'dynamic' is not supported"):
+        GroupedQueryAttention.from_config(
+            {
+                **fields,
+                "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
+            }
+        )
+    with pytest.raises(ValueError, match=r"head_dim must be hidden_size / num_attention_heads"):
+        GroupedQueryAttention.from_config({**fields, "head_dim": 16})
+    with pytest.raises(ValueError, match="config must give hidden_size"):
+        GroupedQueryAttention.from_config({"num_attention_heads": 8})
+
+
+def test_left_padded_batch_equals_llama_attention_with_position_ids() -> None:
+    # transformers' way: position_ids per row (0 on the pads), a mask that hides the pads.
+    config, theirs, ours = llama_pair(2, "eager")
+    rotary = LlamaRotaryEmbedding(config)
+    real = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    positions = (real.cumsum(1) - 1).clamp(min=0)  # (B, T)
+    x = randn(2, 7, D, seed=9, dtype=torch.float32)
+    keep = real[:, None, None, :] & torch.ones(7, 7, dtype=torch.bool).tril()  # (B, 1, T, T)
+    additive = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    with torch.no_grad():
+        expected, _ = theirs(x, rotary(x, positions), additive)
+        actual = ours(x, positions=positions, attn_mask=real[:, None, None, :])
+    # pad queries see no key: transformers' eager softmax gives NaN there, ours zeros
+    torch.testing.assert_close(actual[0, 3:], expected[0, 3:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(actual[1], expected[1], rtol=1e-5, atol=1e-5)
+    assert not actual.isnan().any()

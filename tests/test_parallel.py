@@ -272,15 +272,22 @@ def test_collective_counter_sees_no_collective_in_plain_code():
 
 def test_parameters_per_process_formula_counts_the_real_shard():
     for D, H, N in ((16, 4, 2), (32, 8, 4), (512, 8, 2)):
-        shard = shard_heads(MultiHeadAttention(D, H, batch_first=True), 0, N)
+        shard = shard_heads(MultiHeadAttention(D, H, batch_first=True), 0, N)  # biases
         real = sum(p.numel() for p in shard.parameters())
-        assert counting.tensor_parallel_parameters(D, H, N) == real
+        assert counting.tensor_parallel_parameters(D, H, N, bias=True) == real
+        # The default is GroupedQueryAttention's: no biases.
+        shard = shard_heads(GroupedQueryAttention(D, H, H // 2), 0, N)
+        real = sum(p.numel() for p in shard.parameters())
+        assert counting.tensor_parallel_parameters(D, H, N, num_kv_heads=H // 2) == real
     # by hand: 4 D^2 / N + 3 D / N + D at D = 512, N = 2
-    assert counting.tensor_parallel_parameters(512, 8, 2) == 524288 + 768 + 512
-    assert counting.tensor_parallel_parameters(512, 8, 2, bias=False) == 524288
+    assert counting.tensor_parallel_parameters(512, 8, 2, bias=True) == 524288 + 768 + 512
+    assert counting.tensor_parallel_parameters(512, 8, 2) == 524288
     # MQA over 2 processes: W_Q, W_O halves (128 + 128), W_K, W_V one head each (64 + 64)
     gqa_shard = shard_heads(gqa_layer(H_kv=1), 0, 2)
-    assert counting.tensor_parallel_parameters(16, 4, 2, num_kv_heads=1) == 128 * 2 + 64 * 2 + 32
+    assert (
+        counting.tensor_parallel_parameters(16, 4, 2, num_kv_heads=1, bias=True)
+        == 128 * 2 + 64 * 2 + 32
+    )
     assert sum(p.numel() for p in gqa_shard.parameters()) == 416
 
 
@@ -362,15 +369,18 @@ def test_two_processes_equal_one_and_all_reduce_once_per_forward():
     # Forward: one all-reduce of the (B, T, D) float64 output, per process.
     assert summary["all_reduce_calls"] == 1
     assert summary["bytes_all_reduced"] == B * T * D * 8 == 1280
-    for version in ("hand", "dtensor"):
+    for version in ("hand", "dtensor", "dtensor_per_projection"):
         assert summary[version]["forward_collectives"] == ["all_reduce"]
         assert summary[version]["bytes_all_reduced"] == 1280
         assert summary[version]["ranks_agree"] is True
-    # Backward, by hand: one all-reduce of dL/dx (B, T, D); DTensor sums it once per
-    # projection that read x (q, k, v), 3 all-reduces of the same size.
-    assert summary["hand"]["backward_collectives"] == ["all_reduce"]
-    assert summary["hand"]["backward_bytes_all_reduced"] == 1280
-    assert summary["dtensor"]["backward_collectives"] == ["all_reduce"] * 3
+        assert summary[version]["grad_max_abs_diff"] < 1e-12
+    # Backward: one all-reduce of dL/dx (B, T, D), by hand and with DTensor when x is made a
+    # replicated DTensor once (PrepareModuleInput); when each projection that reads x (q, k,
+    # v) makes it one, its gradient is summed three times, 3 all-reduces of the same size.
+    for version in ("hand", "dtensor"):
+        assert summary[version]["backward_collectives"] == ["all_reduce"]
+        assert summary[version]["backward_bytes_all_reduced"] == 1280
+    assert summary["dtensor_per_projection"]["backward_collectives"] == ["all_reduce"] * 3
 
 
 def test_grouped_query_heads_split_with_their_groups():
@@ -386,6 +396,7 @@ def test_fewer_key_value_heads_than_processes_are_replicated():
     assert summary["max_abs_diff"] < 1e-12 and summary["grad_max_abs_diff"] < 1e-12
     assert summary["all_reduce_calls"] == 1
     assert summary["dtensor"] is None  # ColwiseParallel would cut the head in two
+    assert summary["dtensor_per_projection"] is None
 
 
 def test_a_failing_rank_ends_the_run_with_its_error():

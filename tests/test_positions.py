@@ -2,7 +2,8 @@
 
 Expected values are worked out by hand for small cases (a rotation of one pair by a known
 angle), from the formula of Vaswani et al. (2017) section 3.5, and from transformers' Llama
-rotary embedding (LlamaRotaryEmbedding, apply_rotary_pos_emb).
+rotary embedding (LlamaRotaryEmbedding, apply_rotary_pos_emb), for each rope type it knows
+(default, linear, llama3, yarn); the scaling rules are also checked by hand, band by band.
 """
 
 from __future__ import annotations
@@ -12,11 +13,17 @@ import math
 import pytest
 import torch
 from mha.decoding import GroupedQueryAttention
-from mha.positions import LearnedPositions, apply_rope, rope_angles, sinusoidal_positions
+from mha.positions import (
+    LearnedPositions,
+    Rope,
+    apply_rope,
+    rope_angles,
+    sinusoidal_positions,
+)
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from helpers import randn
+from helpers import ROPE_PARAMETERS, randn
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -162,6 +169,100 @@ def test_rope_equals_transformers_llama_rotary_embedding(head_dim: int, base: fl
     q_theirs, k_theirs = apply_rotary_pos_emb(q, k, cos, sin)
     torch.testing.assert_close(apply_rope(q, positions, base), q_theirs, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(apply_rope(k, positions, base), k_theirs, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scaled RoPE: position interpolation, Llama 3.1's rule, YaRN
+
+
+def llama_rotary(rope_type: str, head_dim: int) -> tuple[LlamaConfig, LlamaRotaryEmbedding]:
+    config = LlamaConfig(
+        hidden_size=4 * head_dim,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16384,
+        rope_parameters=dict(ROPE_PARAMETERS[rope_type]),
+    )
+    return config, LlamaRotaryEmbedding(config)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("rope_type", ["default", "linear", "llama3", "yarn"])
+def test_scaled_rope_equals_transformers(rope_type: str, head_dim: int) -> None:
+    config, rotary = llama_rotary(rope_type, head_dim)
+    rope = Rope.from_parameters(
+        config.rope_parameters, max_position_embeddings=config.max_position_embeddings
+    )
+    assert rope.rope_type == rope_type
+    torch.testing.assert_close(rope.frequencies(head_dim), rotary.inv_freq, rtol=1e-7, atol=0)
+    assert rope.attention_scaling == pytest.approx(rotary.attention_scaling, rel=1e-12)
+    q = randn(2, 4, 24, head_dim, seed=11, dtype=torch.float32)
+    k = randn(2, 2, 24, head_dim, seed=12, dtype=torch.float32)
+    positions = torch.arange(12000, 12024)  # past every original context
+    cos, sin = rotary(q, positions[None])
+    q_theirs, k_theirs = apply_rotary_pos_emb(q, k, cos, sin)
+    torch.testing.assert_close(apply_rope(q, positions, rope), q_theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(apply_rope(k, positions, rope), k_theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_scaling_is_position_interpolation() -> None:
+    # Chen et al. (2023): position p is read as p / factor.
+    rope = Rope(rope_type="linear", factor=4.0)
+    angles = rope_angles(torch.arange(0, 64, 4), 16, rope, dtype=torch.float64)
+    torch.testing.assert_close(angles, rope_angles(torch.arange(16), 16, dtype=torch.float64))
+
+
+def test_llama3_rule_by_hand() -> None:
+    # d_k = 8, base 10000: theta = 1, 0.1, 0.01, 0.001; wavelengths 2 pi / theta =
+    # 6.3, 62.8, 628.3, 6283.2. Context 2048, low 1, high 4: wavelengths under 2048 / 4 = 512
+    # keep theta (pairs 0, 1), over 2048 / 1 are divided by 8 (pair 3), and pair 2 blends:
+    # s = (2048 / 628.3 - 1) / (4 - 1), theta' = (1 - s) theta / 8 + s theta.
+    rope = Rope(rope_type="llama3", factor=8.0, original_max_len=2048)
+    s = (2048 / (2 * math.pi / 0.01) - 1) / 3
+    expected = [1.0, 0.1, (1 - s) * 0.01 / 8 + s * 0.01, 0.001 / 8]
+    torch.testing.assert_close(
+        rope.frequencies(8, torch.float64), torch.tensor(expected, dtype=torch.float64)
+    )
+
+
+def test_yarn_bands_and_attention_factor_by_the_paper() -> None:
+    # Peng et al. (2023): pairs that turn more than beta_fast = 32 times over the original
+    # context keep their frequency, those that turn less than beta_slow = 1 time are
+    # interpolated (divided by the factor); the attention temperature is 0.1 ln(s) + 1,
+    # applied to queries and keys alike (so sqrt of 1/t on the scores).
+    rope = Rope(rope_type="yarn", factor=16.0, original_max_len=4096)
+    theta = Rope().frequencies(128, torch.float64)
+    turns = 4096 * theta / (2 * math.pi)  # (64,)
+    scaled = rope.frequencies(128, torch.float64)
+    fast, slow = turns > 32 * 1.2, turns < 1 / 1.2  # clear of the ramp's rounded ends
+    assert fast.sum() > 10 and slow.sum() > 10
+    torch.testing.assert_close(scaled[fast], theta[fast])
+    torch.testing.assert_close(scaled[slow], theta[slow] / 16)
+    between = ~fast & ~slow
+    assert bool(
+        ((scaled[between] <= theta[between]) & (scaled[between] >= theta[between] / 16)).all()
+    )
+    assert rope.attention_scaling == pytest.approx(0.1 * math.log(16) + 1)
+    x = randn(1, 1, 3, 128, seed=13)
+    ratio = apply_rope(x, torch.arange(3), rope).norm(dim=-1) / x.norm(dim=-1)
+    torch.testing.assert_close(ratio, torch.full_like(ratio, 0.1 * math.log(16) + 1))
+
+
+def test_rope_from_parameters_refuses_what_it_does_not_know() -> None:
+    with pytest.raises(ValueError, match=r"rope_type 'dynamic' is not supported"):
+        Rope.from_parameters({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
+    with pytest.raises(ValueError, match=r"rope_type 'longrope' is not supported"):
+        Rope.from_parameters({"rope_type": "longrope", "rope_theta": 1e4})
+    with pytest.raises(ValueError, match=r"partial_rotary_factor must be 1.0.*got 0.5"):
+        Rope.from_parameters({"rope_theta": 1e4, "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match=r"keys that Rope does not know: \['scale'\]"):
+        Rope.from_parameters({"rope_theta": 1e4, "scale": 2.0})
+    with pytest.raises(TypeError, match="original_max_len must be an int"):
+        Rope.from_parameters({"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0})
+    with pytest.raises(ValueError, match=r"factor must be a float >= 1 for rope_type 'linear'"):
+        Rope(rope_type="linear", factor=0.5)
+    with pytest.raises(TypeError, match="rope_parameters must be a dict"):
+        Rope.from_parameters([("rope_theta", 1e4)])
 
 
 def test_rope_errors() -> None:

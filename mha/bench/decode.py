@@ -178,6 +178,12 @@ DECODE_RATIOS = {
     "no_cache/ours": ("no_cache", "preallocated_cache"),
     "concat/ours": ("concat_cache", "preallocated_cache"),
     "ours/MHA": ("preallocated_cache", "preallocated_cache"),
+    "compiled/eager": ("preallocated_compiled", "preallocated_cache"),
+    "hf_compiled/hf_eager": ("hf_static_compiled", "hf_static_cache"),
+    "ours/hf_static, compiled": (
+        "preallocated_compiled",
+        "hf_static_compiled",
+    ),
 }
 
 

@@ -5,6 +5,9 @@ The output of one new token after a context of T tokens, by a
 ``LlamaAttention`` with the same weights. Each runner repeats the same step:
 the cache is filled with the context once, untimed, and set back to T tokens
 before every call. One builder per family: our caches, ``transformers``'.
+The ``*_compiled`` entries run the same step through ``torch.compile``
+(inductor, ``fullgraph=True``), compiled before the timing; they take minutes
+to compile on a CPU and run only when asked for (``--impl``).
 """
 
 from __future__ import annotations
@@ -20,10 +23,30 @@ from .registry import DECODE_IMPLEMENTATIONS, Runner, Unsupported, register
 __all__ = ["llama_attention"]
 
 
-def _step(name: str, summary: str) -> Callable:
+def _step(name: str, summary: str, **options) -> Callable:
     return register(
-        DECODE_IMPLEMENTATIONS, name, scope="decode", summary=summary
+        DECODE_IMPLEMENTATIONS,
+        name,
+        scope="decode",
+        summary=summary,
+        **options,
     )
+
+
+def _compile(call: Runner, reset: Runner) -> Runner:
+    """``call`` compiled once (static shapes, one graph), and run twice after
+    ``reset`` so that the compiling is done before anything is timed."""
+    # Every build compiles the same lambda's code again, for another cache
+    # and context: let the compiler keep one graph for each (its default
+    # limit is 8 per code object, then it would fall back to eager).
+    torch._dynamo.config.recompile_limit = max(
+        torch._dynamo.config.recompile_limit, 256
+    )
+    compiled = torch.compile(call, fullgraph=True, dynamic=False)
+    for _ in range(2):  # the first call compiles
+        reset()
+        compiled()
+    return compiled
 
 
 @_step("no_cache", "the whole sequence again, causal; its last row")
@@ -32,7 +55,7 @@ def no_cache(layer: nn.Module, context: Tensor, x_new: Tensor) -> Runner:
     return lambda: layer(sequence)[:, -1:]  # (B, 1, D)
 
 
-def _ours(preallocated: bool) -> Callable:
+def _ours(preallocated: bool, compiled: bool = False) -> Callable:
     """A step of ``layer`` with our preallocated or concatenating cache."""
 
     def build(layer: nn.Module, context: Tensor, x_new: Tensor) -> Runner:
@@ -45,9 +68,18 @@ def _ours(preallocated: bool) -> Callable:
             cache = ConcatKVCache(B, *shape, **options)
         layer(context, cache=cache)  # the context's keys and values, untimed
 
-        def step() -> Tensor:
+        def reset() -> None:
             cache.truncate(T)  # forget the previous call's token
+
+        def call() -> Tensor:
             return layer(x_new, cache=cache)  # (B, 1, D)
+
+        if compiled:
+            call = _compile(call, reset)
+
+        def step() -> Tensor:
+            reset()
+            return call()
 
         return step
 
@@ -60,6 +92,11 @@ _step("concat_cache", "mha.ConcatKVCache: torch.cat of the cache")(
 _step("preallocated_cache", "mha.KVCache: written in place")(
     _ours(preallocated=True)
 )
+_step(
+    "preallocated_compiled",
+    "mha.KVCache, the step compiled by torch.compile",
+    default_on=(),
+)(_ours(preallocated=True, compiled=True))
 
 
 def llama_attention(layer: nn.Module, dtype: torch.dtype):
@@ -94,7 +131,7 @@ def llama_attention(layer: nn.Module, dtype: torch.dtype):
     return theirs, config, LlamaRotaryEmbedding(config).to(device)
 
 
-def _theirs(static: bool) -> Callable:
+def _theirs(static: bool, compiled: bool = False) -> Callable:
     """A step of ``LlamaAttention`` (and its rotary embedding) with its
     ``StaticCache`` or its ``DynamicCache``."""
 
@@ -114,13 +151,22 @@ def _theirs(static: bool) -> Callable:
         cos_sin = rotary(context, positions[:, :T])
         theirs(context, cos_sin, None, past_key_values=cache)  # untimed
 
-        def step() -> Tensor:
+        def reset() -> None:
             if static:  # the tokens written, counted in place: T again
                 cache.layers[0].cumulative_length.fill_(T)
             else:  # forget the previous call's token
                 cache.crop(T - cache.get_seq_length())
+
+        def call() -> Tensor:
             cos_sin = rotary(x_new, positions[:, T:])
             return theirs(x_new, cos_sin, None, past_key_values=cache)[0]
+
+        if compiled:
+            call = _compile(call, reset)
+
+        def step() -> Tensor:
+            reset()
+            return call()
 
         return step
 
@@ -135,3 +181,8 @@ _step(
     "hf_static_cache",
     "transformers' LlamaAttention + rotary embedding, StaticCache (in place)",
 )(_theirs(static=True))
+_step(
+    "hf_static_compiled",
+    "transformers' LlamaAttention, StaticCache, compiled by torch.compile",
+    default_on=(),
+)(_theirs(static=True, compiled=True))

@@ -1,8 +1,14 @@
-"""GPU kernels written in Triton, runnable on a CPU by Triton's interpreter.
+"""Attention kernels in Triton, for NVIDIA GPUs and Triton's CPU interpreter.
 
 :func:`triton_attention` is the tiled attention of :mod:`mha.flash` as one
-Triton kernel (and two more for its backward pass). Importing this package
-never fails: not where Triton is missing, not where there is no GPU.
+Triton kernel (and two more for its backward pass);
+:func:`triton_split_kv_attention` splits the keys of a decoding step across
+programs. Causal attention is aligned bottom-right; keys and values may have
+fewer heads than the queries (GQA, MQA); any head size up to 256. The kernels
+are compiled ahead of time for sm_80 (A100) and sm_90 (H100) and inspected by
+``python -m mha.kernels --inspect`` (:mod:`mha.kernels.aot`); the project's
+own checks run them in the interpreter, never on a GPU. Importing this
+package never fails: not where Triton is missing, not where there is no GPU.
 
 Compiled or interpreted? Triton decides when ``@triton.jit`` decorates a
 kernel, which happens when :mod:`mha.kernels.attention` is first imported:
@@ -31,14 +37,19 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 __all__ = [
+    "MAX_HEAD_DIM",
     "HEAD_DIMS",
     "TRITON_AVAILABLE",
     "INTERPRETED",
     "triton_attention",
+    "triton_split_kv_attention",
 ]
 
-#: The head sizes d_k the attention kernel is built for.
-HEAD_DIMS = (16, 32, 64, 128)
+#: The largest head size d_k the kernels take.
+MAX_HEAD_DIM = 256
+
+#: The head sizes d_k the kernels take: any from 1 to 256.
+HEAD_DIMS = range(1, MAX_HEAD_DIM + 1)
 
 
 def _cuda_available() -> bool:
@@ -98,13 +109,48 @@ def triton_attention(
     Raises:
         ModuleNotFoundError: Triton cannot be imported here.
     """
-    if not TRITON_AVAILABLE:
-        raise ModuleNotFoundError(
-            "triton_attention needs the triton package, which could not "
-            f"be imported ({_MISSING}): pip install triton==3.9.0 (Linux)"
-        )
+    _require_triton("triton_attention")
     from .attention import triton_attention as run
 
     return run(
         q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k
     )
+
+
+def triton_split_kv_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    num_splits: int | None = None,
+) -> Tensor:
+    """Attention for few queries and many keys, the keys split across programs.
+
+    The split-KV ("Flash-Decoding") kernel: each program attends one query
+    tile to one range of keys and writes that range's output and
+    logsumexp; the ranges are merged by a logsumexp-weighted sum. Same
+    arguments and result as :func:`triton_attention`, forward only (no
+    gradient). ``num_splits``: default, enough programs for every
+    multiprocessor of the GPU (132, an H100 SXM's, in the interpreter). See
+    :func:`mha.kernels.attention.split_kv_forward`.
+
+    Raises:
+        ModuleNotFoundError: Triton cannot be imported here.
+    """
+    _require_triton("triton_split_kv_attention")
+    from .attention import split_kv_forward
+
+    out, _ = split_kv_forward(
+        q, k, v, causal=causal, scale=scale, num_splits=num_splits
+    )
+    return out
+
+
+def _require_triton(name: str) -> None:
+    if not TRITON_AVAILABLE:
+        raise ModuleNotFoundError(
+            f"{name} needs the triton package, which could not "
+            f"be imported ({_MISSING}): pip install triton==3.9.0 (Linux)"
+        )

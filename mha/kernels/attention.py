@@ -1,4 +1,4 @@
-"""Tiled attention in Triton: the algorithm of :mod:`mha.flash` as GPU kernels.
+"""Tiled attention in Triton: the algorithm of :mod:`mha.flash` as kernels.
 
 Import :mod:`mha.kernels` (which decides between the compiled kernels and
 Triton's CPU interpreter) rather than this module directly.
@@ -6,27 +6,40 @@ Triton's CPU interpreter) rather than this module directly.
 A Triton kernel is written for one *program*: a block of work that the GPU
 runs on one streaming multiprocessor, thousands of them in parallel. Here
 one program computes one tile of ``BLOCK_Q`` queries of one (batch, head):
-the same loop over key tiles as :func:`mha.flash.flash_attention`, with the
+the same loop over key tiles as :func:`mha.flash.online_softmax`, with the
 running maximum ``m``, sum ``ell`` and weighted values ``acc`` held on chip
 (in registers). Tensors are addressed with plain pointer arithmetic: a base
 pointer plus offsets times strides, so views such as the transposed heads of
 :func:`mha.functional.split_heads` need no copy. Loads and stores of rows past
-the end of the sequence are masked, so T need not be a multiple of the tile.
+the end of the sequence are masked, so T need not be a multiple of the tile;
+the head size is padded to a power of two (``PADDED_DIM``) the same way.
+Causal attention is aligned bottom-right (query i sees keys 0..i + T_k -
+T_q); query head h reads key/value head ``h // group``.
 
 * :func:`attention_forward` - the forward kernel; returns output and
   logsumexp (one float32 per query).
-* :func:`attention_backward` - two kernels (one program per key tile for
-  dk and dv, one per query tile for dq) that recompute the weights from the
-  logsumexp, as :func:`mha.flash.flash_attention_backward` does.
-* :func:`triton_attention` - both, tied together for autograd.
+* :func:`attention_backward` - two kernels (one program per key tile of a
+  key/value head for dk and dv, summed over the head's group of query heads;
+  one per query tile for dq) that recompute the weights from the logsumexp,
+  as :func:`mha.flash.flash_attention_backward` does. No atomic additions.
+* :func:`split_kv_forward` - the split-KV ("Flash-Decoding") kernel and the
+  merge of its partial results.
+* :func:`triton_attention` - forward and backward, tied together for
+  autograd.
+* :func:`forward_launch`, :func:`backward_launches`, :func:`split_kv_launch`
+  - each launch as data (:class:`Launch`), which :mod:`mha.kernels.aot`
+  compiles ahead of time for a named GPU. The tile sizes, warps and stages
+  per GPU, dtype and head size are in :mod:`mha.kernels.tiles`.
 
 The kernels call Triton's built-in operations and the small ``@triton.jit``
 helpers defined here, never the jitted helpers of ``triton.language``
 (``tl.zeros``, ``tl.max``, ``tl.sum``): those were decorated when ``triton``
 was imported, possibly before :mod:`mha.kernels` chose the interpreter, and
 a compiled helper cannot be called from an interpreted kernel. Row maxima
-and sums are therefore written as ``tl.reduce`` with :func:`_maximum` and
-:func:`_add`, which is how ``tl.max`` and ``tl.sum`` are defined.
+and sums are therefore ``tl.reduce`` with the combine functions of
+``tl.max`` and ``tl.sum`` (``_maximum``, ``_add``), which is how those two
+are defined; a combine function is never called by the interpreter, which
+recognises these two and reduces with NumPy.
 
 Offsets are 32-bit: tensors up to 2**31 elements.
 """
@@ -35,31 +48,46 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import HEAD_DIMS, INTERPRETED
+from . import INTERPRETED, MAX_HEAD_DIM
+from .tiles import (
+    H100_MULTIPROCESSORS,
+    KERNELS,
+    Tiles,
+    default_num_splits,
+    default_tiles,
+    padded_head_dim,
+    split_sizes,
+)
 
 __all__ = [
     "attention_forward",
     "attention_backward",
+    "split_kv_forward",
+    "merge_partials",
     "TritonAttention",
     "triton_attention",
-    "default_blocks",
+    "Tiles",
+    "KERNELS",
+    "default_tiles",
+    "default_num_splits",
+    "forward_launch",
+    "backward_launches",
+    "split_kv_launch",
 ]
 
 
-@triton.jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add(a, b):
-    return a + b
+# The combine functions of tl.max and tl.sum: the interpreter recognises them
+# and reduces in one NumPy call (a combine function of our own would run
+# element by element in Python, about 50 times slower).
+_maximum = tl.standard._elementwise_max
+_add = tl.standard._sum_combine
 
 
 @triton.jit
@@ -69,55 +97,140 @@ def _tile(head, positions, dims, stride_t, stride_d):
 
 
 @triton.jit
+def _attend(
+    q, k_head, v_head, rows, dims, start, stop, offset, scale,
+    stride_kt, stride_kd, stride_vt, stride_vd,
+    CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The online softmax of one query tile over keys start..stop-1.
+
+    :func:`mha.flash.online_softmax` for one program: returns the running
+    maximum ``m``, sum ``ell`` and weighted values ``acc`` (float32).
+    """
+    m = tl.full([BLOCK_Q], float("-inf"), tl.float32)  # running maximum
+    ell = tl.full([BLOCK_Q], 0.0, tl.float32)  # running sum of exp(s - m)
+    acc = tl.full([BLOCK_Q, PADDED_DIM], 0.0, tl.float32)  # running p @ v
+    for first in range(start, stop, BLOCK_K):
+        cols = first + tl.arange(0, BLOCK_K)  # key positions
+        exists = (cols[:, None] < stop) & (dims[None, :] < HEAD_DIM)
+        k_tile = _tile(k_head, cols, dims, stride_kt, stride_kd)
+        v_tile = _tile(v_head, cols, dims, stride_vt, stride_vd)
+        k = tl.load(k_tile, exists, 0.0)  # (B_k, d_k), padding reads 0
+        v = tl.load(v_tile, exists, 0.0)  # (B_k, d_v)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        keep = cols[None, :] < stop  # (1, B_k), broadcast with rows below
+        if CAUSAL:  # bottom-right: query i sees keys 0..i + T_k - T_q
+            keep = keep & (cols[None, :] <= rows[:, None] + offset)
+        scores = tl.where(keep, scores, float("-inf"))  # (B_q, B_k)
+        m_new = tl.maximum(m, tl.reduce(scores, 1, _maximum))  # row max
+        # a row with no visible key yet: exponentiate against 0, no NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.exp(m - m_safe)  # brings old sums to the new maximum
+        p = tl.exp(scores - m_safe[:, None])  # (B_q, B_k)
+        ell = rescale * ell + tl.reduce(p, 1, _add)  # row sum
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = rescale[:, None] * acc + pv  # (B_q, d_v)
+        m = m_new
+    return m, ell, acc
+
+
+@triton.jit
+def _finish(m, ell, acc):
+    """Output rows ``acc / ell`` (0 where no key was seen) and logsumexp."""
+    seen = ell > 0.0
+    out = acc / tl.where(seen, ell, 1.0)[:, None]
+    logsumexp = tl.where(
+        seen, m + tl.log(tl.where(seen, ell, 1.0)), -float("inf")
+    )
+    return out, logsumexp
+
+
+@triton.jit
 def _forward_kernel(
     Q, K, V, Out, LSE,  # pointers to the first element of each tensor
     stride_qb, stride_qh, stride_qt, stride_qd,  # q's strides, in elements
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_ob, stride_oh, stride_ot, stride_od,
-    num_heads, t_q, t_k, scale,
+    num_heads, group, t_q, t_k, scale,
     CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """One program: the output rows of one query tile of one (batch, head)."""
     q_block, batch_head = tl.program_id(0), tl.program_id(1)
     b, h = batch_head // num_heads, batch_head % num_heads
+    kv = h // group  # the key/value head that query head h reads
     q_head = Q + b * stride_qb + h * stride_qh  # q[b, h], (T_q, d_k)
-    k_head = K + b * stride_kb + h * stride_kh
-    v_head = V + b * stride_vb + h * stride_vh
+    k_head = K + b * stride_kb + kv * stride_kh  # k[b, kv], (T_k, d_k)
+    v_head = V + b * stride_vb + kv * stride_vh
     rows = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)  # query positions
-    dims = tl.arange(0, HEAD_DIM)
-    q_tile = _tile(q_head, rows, dims, stride_qt, stride_qd)
-    q = tl.load(q_tile, rows[:, None] < t_q, 0.0)  # (B_q, d_k)
-    m = tl.full([BLOCK_Q], float("-inf"), tl.float32)  # running maximum
-    ell = tl.full([BLOCK_Q], 0.0, tl.float32)  # running sum of exp(s - m)
-    acc = tl.full([BLOCK_Q, HEAD_DIM], 0.0, tl.float32)  # running p @ v
+    dims = tl.arange(0, PADDED_DIM)  # d_k, padded to a power of two
+    real = (rows[:, None] < t_q) & (dims[None, :] < HEAD_DIM)
+    q = tl.load(_tile(q_head, rows, dims, stride_qt, stride_qd), real, 0.0)
+    offset = t_k - t_q  # query i is the token at position i + offset
     stop = t_k
-    if CAUSAL:  # key tiles after the last query of this tile: skipped
-        stop = tl.minimum(t_k, (q_block + 1) * BLOCK_Q)
-    for start in range(0, stop, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)  # key positions
-        exists = cols[:, None] < t_k  # keys past the end read as 0
-        k_tile = _tile(k_head, cols, dims, stride_kt, stride_kd)
-        v_tile = _tile(v_head, cols, dims, stride_vt, stride_vd)
-        k = tl.load(k_tile, exists, 0.0)  # (B_k, d_k)
-        v = tl.load(v_tile, exists, 0.0)  # (B_k, d_v)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        keep = cols[None, :] < t_k  # (1, B_k), broadcast with rows below
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= rows[:, None])
-        scores = tl.where(keep, scores, float("-inf"))  # (B_q, B_k)
-        m_new = tl.maximum(m, tl.reduce(scores, 1, _maximum))  # row max
-        rescale = tl.exp(m - m_new)  # brings old sums to the new maximum
-        p = tl.exp(scores - m_new[:, None])  # (B_q, B_k)
-        ell = rescale * ell + tl.reduce(p, 1, _add)  # row sum
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        acc = rescale[:, None] * acc + pv  # (B_q, d_v)
-        m = m_new
-    out = acc / ell[:, None]
+    if CAUSAL:  # key tiles after the tile's last query: skipped
+        stop = tl.minimum(t_k, tl.maximum(0, (q_block + 1) * BLOCK_Q + offset))
+    m, ell, acc = _attend(
+        q, k_head, v_head, rows, dims, 0, stop, offset, scale,
+        stride_kt, stride_kd, stride_vt, stride_vd,
+        CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
+    )  # fmt: skip
+    out, logsumexp = _finish(m, ell, acc)
     out_tile = _tile(Out + b * stride_ob + h * stride_oh, rows, dims,
                      stride_ot, stride_od)  # fmt: skip
-    tl.store(out_tile, out.to(Out.dtype.element_ty), rows[:, None] < t_q)
-    tl.store(LSE + batch_head * t_q + rows, m + tl.log(ell), rows < t_q)
+    tl.store(out_tile, out.to(Out.dtype.element_ty), real)
+    tl.store(LSE + batch_head * t_q + rows, logsumexp, rows < t_q)
+
+
+@triton.jit
+def _split_kv_kernel(
+    Q, K, V, Partial, PartialLSE,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    num_heads, group, t_q, t_k, keys_per_split, scale,
+    CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One program: one query tile against one split of the keys.
+
+    Writes the split's own softmax output (float32) and logsumexp; the
+    splits are merged afterwards by :func:`merge_partials`.
+    """
+    split, q_block = tl.program_id(0), tl.program_id(1)
+    batch_head = tl.program_id(2)
+    num_splits = tl.num_programs(0)
+    b, h = batch_head // num_heads, batch_head % num_heads
+    kv = h // group
+    q_head = Q + b * stride_qb + h * stride_qh
+    k_head = K + b * stride_kb + kv * stride_kh
+    v_head = V + b * stride_vb + kv * stride_vh
+    rows = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    dims = tl.arange(0, PADDED_DIM)
+    real = (rows[:, None] < t_q) & (dims[None, :] < HEAD_DIM)
+    q = tl.load(_tile(q_head, rows, dims, stride_qt, stride_qd), real, 0.0)
+    offset = t_k - t_q
+    start = split * keys_per_split  # this program's keys: start..stop-1
+    stop = tl.minimum(t_k, start + keys_per_split)
+    if CAUSAL:
+        stop = tl.minimum(
+            stop, tl.maximum(0, (q_block + 1) * BLOCK_Q + offset)
+        )
+    m, ell, acc = _attend(
+        q, k_head, v_head, rows, dims, start, stop, offset, scale,
+        stride_kt, stride_kd, stride_vt, stride_vd,
+        CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
+    )  # fmt: skip
+    out, logsumexp = _finish(m, ell, acc)
+    part = batch_head * num_splits + split  # partial[b, h, split]
+    out_tile = _tile(Partial + part * t_q * HEAD_DIM, rows, dims, HEAD_DIM, 1)
+    tl.store(out_tile, out, real)
+    tl.store(PartialLSE + part * t_q + rows, logsumexp, rows < t_q)
 
 
 @triton.jit
@@ -125,43 +238,55 @@ def _backward_dk_dv_kernel(
     Q, K, V, DO, LSE, Delta, DK, DV,
     stride_b, stride_h, stride_t, stride_d,  # of q and d_out
     stride_kb, stride_kh, stride_kt, stride_kd,  # of k, v, dk and dv
-    num_heads, t_q, t_k, scale,
+    num_heads, group, t_q, t_k, scale,
     CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One program: dk and dv of one tile of keys, summed over query tiles."""
-    k_block, batch_head = tl.program_id(0), tl.program_id(1)
-    b, h = batch_head // num_heads, batch_head % num_heads
-    q_offset = b * stride_b + h * stride_h  # of q[b, h] and d_out[b, h]
-    kv_offset = b * stride_kb + h * stride_kh
+    """One program: dk and dv of one key tile of one key/value head.
+
+    Sums over every query tile of every query head in the head's group, so
+    no two programs write the same rows: no atomic additions.
+    """
+    k_block, batch_kv = tl.program_id(0), tl.program_id(1)
+    num_kv_heads = num_heads // group
+    b, kv = batch_kv // num_kv_heads, batch_kv % num_kv_heads
     cols = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
-    dims = tl.arange(0, HEAD_DIM)
-    exists = cols[:, None] < t_k
-    kv_tile = _tile(kv_offset, cols, dims, stride_kt, stride_kd)
+    dims = tl.arange(0, PADDED_DIM)
+    exists = (cols[:, None] < t_k) & (dims[None, :] < HEAD_DIM)
+    kv_tile = _tile(b * stride_kb + kv * stride_kh, cols, dims,
+                    stride_kt, stride_kd)  # fmt: skip
     k = tl.load(K + kv_tile, exists, 0.0)  # (B_k, d_k)
     v = tl.load(V + kv_tile, exists, 0.0)
-    dk = tl.full([BLOCK_K, HEAD_DIM], 0.0, tl.float32)
-    dv = tl.full([BLOCK_K, HEAD_DIM], 0.0, tl.float32)
+    dk = tl.full([BLOCK_K, PADDED_DIM], 0.0, tl.float32)
+    dv = tl.full([BLOCK_K, PADDED_DIM], 0.0, tl.float32)
+    offset = t_k - t_q
     first = 0
-    if CAUSAL:  # query tiles before this key tile never see it
-        first = (k_block * BLOCK_K // BLOCK_Q) * BLOCK_Q
-    for start in range(first, t_q, BLOCK_Q):
-        rows = start + tl.arange(0, BLOCK_Q)
-        real = rows[:, None] < t_q
-        q_tile = _tile(q_offset, rows, dims, stride_t, stride_d)
-        q = tl.load(Q + q_tile, real, 0.0)  # (B_q, d_k)
-        do = tl.load(DO + q_tile, real, 0.0)
-        lse = tl.load(LSE + batch_head * t_q + rows, rows < t_q, 0.0)
-        delta = tl.load(Delta + batch_head * t_q + rows, rows < t_q, 0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        keep = real & (cols[None, :] < t_k)
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= rows[:, None])
-        p = tl.where(keep, tl.exp(scores - lse[:, None]), 0.0)  # recomputed
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])  # (B_q, B_k)
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    if CAUSAL:  # query tiles before the first query that sees this tile
+        first = tl.maximum(0, k_block * BLOCK_K - offset) // BLOCK_Q * BLOCK_Q
+    for member in range(0, group):  # the query heads that read head kv
+        h = kv * group + member
+        batch_head = b * num_heads + h
+        q_offset = b * stride_b + h * stride_h  # of q[b, h], d_out[b, h]
+        for start in range(first, t_q, BLOCK_Q):
+            rows = start + tl.arange(0, BLOCK_Q)
+            real = (rows[:, None] < t_q) & (dims[None, :] < HEAD_DIM)
+            q_tile = _tile(q_offset, rows, dims, stride_t, stride_d)
+            q = tl.load(Q + q_tile, real, 0.0)  # (B_q, d_k)
+            do = tl.load(DO + q_tile, real, 0.0)
+            lse = tl.load(LSE + batch_head * t_q + rows, rows < t_q, 0.0)
+            delta = tl.load(Delta + batch_head * t_q + rows, rows < t_q, 0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            keep = (rows[:, None] < t_q) & (cols[None, :] < t_k)
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= rows[:, None] + offset)
+            p = tl.where(keep, tl.exp(scores - lse[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do,
+                         input_precision=PRECISION)  # fmt: skip
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])  # (B_q, B_k)
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q,
+                         input_precision=PRECISION)  # fmt: skip
     dk = dk * scale
     tl.store(DK + kv_tile, dk.to(DK.dtype.element_ty), exists)
     tl.store(DV + kv_tile, dv.to(DV.dtype.element_ty), exists)
@@ -172,37 +297,40 @@ def _backward_dq_kernel(
     Q, K, V, DO, LSE, Delta, DQ,
     stride_b, stride_h, stride_t, stride_d,  # of q, d_out and dq
     stride_kb, stride_kh, stride_kt, stride_kd,  # of k and v
-    num_heads, t_q, t_k, scale,
+    num_heads, group, t_q, t_k, scale,
     CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One program: dq of one tile of queries, summed over key tiles."""
     q_block, batch_head = tl.program_id(0), tl.program_id(1)
     b, h = batch_head // num_heads, batch_head % num_heads
+    kv = h // group
     q_offset = b * stride_b + h * stride_h  # of q, d_out and dq [b, h]
-    kv_offset = b * stride_kb + h * stride_kh
+    kv_offset = b * stride_kb + kv * stride_kh
     rows = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    dims = tl.arange(0, HEAD_DIM)
-    real = rows[:, None] < t_q
+    dims = tl.arange(0, PADDED_DIM)
+    real = (rows[:, None] < t_q) & (dims[None, :] < HEAD_DIM)
     q_tile = _tile(q_offset, rows, dims, stride_t, stride_d)
     q = tl.load(Q + q_tile, real, 0.0)  # (B_q, d_k)
     do = tl.load(DO + q_tile, real, 0.0)
     lse = tl.load(LSE + batch_head * t_q + rows, rows < t_q, 0.0)
     delta = tl.load(Delta + batch_head * t_q + rows, rows < t_q, 0.0)
-    dq = tl.full([BLOCK_Q, HEAD_DIM], 0.0, tl.float32)
+    dq = tl.full([BLOCK_Q, PADDED_DIM], 0.0, tl.float32)
+    offset = t_k - t_q
     stop = t_k
     if CAUSAL:
-        stop = tl.minimum(t_k, (q_block + 1) * BLOCK_Q)
+        stop = tl.minimum(t_k, tl.maximum(0, (q_block + 1) * BLOCK_Q + offset))
     for start in range(0, stop, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
-        exists = cols[:, None] < t_k
+        exists = (cols[:, None] < t_k) & (dims[None, :] < HEAD_DIM)
         kv_tile = _tile(kv_offset, cols, dims, stride_kt, stride_kd)
         k = tl.load(K + kv_tile, exists, 0.0)  # (B_k, d_k)
         v = tl.load(V + kv_tile, exists, 0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        keep = real & (cols[None, :] < t_k)
+        keep = (rows[:, None] < t_q) & (cols[None, :] < t_k)
         if CAUSAL:
-            keep = keep & (cols[None, :] <= rows[:, None])
+            keep = keep & (cols[None, :] <= rows[:, None] + offset)
         p = tl.where(keep, tl.exp(scores - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -212,42 +340,107 @@ def _backward_dq_kernel(
 
 
 # ---------------------------------------------------------------------------
-# Launching the kernels
+# Launches
 
 
-def default_blocks(
-    head_dim: int, dtype: torch.dtype, *, backward: bool = False
-) -> tuple[int, int]:
-    """(BLOCK_Q, BLOCK_K): tiles meant to fit a GPU's shared memory, registers.
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: a grid of programs, its arguments, its settings."""
 
-    Forward, 16-bit: 128 queries by 64 keys (the FlashAttention-2 tutorial's
-    sizes); float32 takes twice the bytes per element, so half the queries,
-    and half the keys again at d_k = 128. The backward kernels hold four
-    tiles (q, d_out and k, v) and two accumulators: 64 by 64 in 16 bits, 32
-    by 32 in float32. Any tiling gives the same result: the logsumexp is per
-    query, not per tile.
-    """
-    wide = dtype == torch.float32
-    if backward:
-        return (32, 32) if wide else (64, 64)
-    if not wide:
-        return 128, 64
-    return 64, 32 if head_dim == 128 else 64
+    kernel: object  # a triton.JITFunction
+    grid: tuple[int, ...]
+    args: tuple
+    constants: dict  # the constexpr arguments, num_warps and num_stages
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constants)
 
 
-def _launch_settings(
-    q: Tensor, block_q: int | None, block_k: int | None, backward: bool = False
-) -> dict:
+def _constants(q: Tensor, tiles: Tiles, causal: bool) -> dict:
     d_k = q.shape[-1]
-    default_q, default_k = default_blocks(d_k, q.dtype, backward=backward)
     return {
-        "BLOCK_Q": default_q if block_q is None else block_q,
-        "BLOCK_K": default_k if block_k is None else block_k,
+        "CAUSAL": bool(causal),
+        "BLOCK_Q": tiles.block_q,
+        "BLOCK_K": tiles.block_k,
         "HEAD_DIM": d_k,
+        "PADDED_DIM": padded_head_dim(d_k),
         # float32 products in full float32, not in the tensor cores' TF32
         "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
-        "num_warps": 8 if d_k == 128 and q.element_size() == 2 else 4,
+        "num_warps": tiles.num_warps,
+        "num_stages": tiles.num_stages,
     }
+
+
+def _tiles(q, kernel, block_q, block_k, capability) -> Tiles:
+    if capability is None:
+        capability = (
+            torch.cuda.get_device_capability(q.device)
+            if q.device.type == "cuda"
+            else (9, 0)  # the interpreter: any tiles are right
+        )
+    tiles = default_tiles(kernel, q.shape[-1], q.dtype, capability)
+    return replace(
+        tiles,
+        block_q=tiles.block_q if block_q is None else block_q,
+        block_k=tiles.block_k if block_k is None else block_k,
+    )
+
+
+def forward_launch(q, k, v, out, logsumexp, *, causal, scale, tiles):
+    """The forward kernel's launch: one program per (query tile, b, h)."""
+    (batch, heads, t_q, _), (kv_heads, t_k) = q.shape, k.shape[1:3]
+    grid = (triton.cdiv(t_q, tiles.block_q), batch * heads)
+    args = (
+        q, k, v, out, logsumexp,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        heads, heads // kv_heads, t_q, t_k, scale,
+    )  # fmt: skip
+    return Launch(_forward_kernel, grid, args, _constants(q, tiles, causal))
+
+
+def split_kv_launch(
+    q, k, v, partial, partial_lse, *, causal, scale, tiles, keys_per_split
+):
+    """The split-KV kernel's launch: one program per (split, query tile, b,
+    h); ``partial`` is (B, H, splits, T_q, d_k) float32."""
+    (batch, heads, t_q, _), (kv_heads, t_k) = q.shape, k.shape[1:3]
+    splits = partial.shape[2]
+    grid = (splits, triton.cdiv(t_q, tiles.block_q), batch * heads)
+    args = (
+        q, k, v, partial, partial_lse,
+        *q.stride(), *k.stride(), *v.stride(),
+        heads, heads // kv_heads, t_q, t_k, keys_per_split, scale,
+    )  # fmt: skip
+    return Launch(_split_kv_kernel, grid, args, _constants(q, tiles, causal))
+
+
+def backward_launches(
+    q, k, v, d_out, logsumexp, delta, dq, dk, dv, *, causal, scale, tiles
+):
+    """The two backward kernels' launches; ``tiles`` maps each kernel's
+    name to its :class:`Tiles`. q, d_out, dq share one layout, and k, v,
+    dk, dv another."""
+    (batch, heads, t_q, _), (kv_heads, t_k) = q.shape, k.shape[1:3]
+    sizes = (heads, heads // kv_heads, t_q, t_k, scale)
+    by_keys = tiles["backward_dk_dv"]
+    grid = (triton.cdiv(t_k, by_keys.block_k), batch * kv_heads)
+    args = (q, k, v, d_out, logsumexp, delta, dk, dv,
+            *q.stride(), *k.stride(), *sizes)  # fmt: skip
+    dk_dv = Launch(
+        _backward_dk_dv_kernel, grid, args, _constants(q, by_keys, causal)
+    )
+    by_queries = tiles["backward_dq"]
+    grid = (triton.cdiv(t_q, by_queries.block_q), batch * heads)
+    args = (q, k, v, d_out, logsumexp, delta, dq,
+            *q.stride(), *k.stride(), *sizes)  # fmt: skip
+    dq_launch = Launch(
+        _backward_dq_kernel, grid, args, _constants(q, by_queries, causal)
+    )
+    return dk_dv, dq_launch
+
+
+# ---------------------------------------------------------------------------
+# Running the kernels
 
 
 def attention_forward(
@@ -265,18 +458,12 @@ def attention_forward(
     The logsumexp is float32 whatever the inputs' dtype.
     """
     scale = _check_inputs(q, k, v, scale, block_q, block_k)
-    settings = _launch_settings(q, block_q, block_k)
-    (batch, heads, t_q, _), t_k = q.shape, k.shape[2]
+    tiles = _tiles(q, "forward", block_q, block_k, None)
     out = torch.empty_like(q)
-    logsumexp = torch.empty(
-        (batch, heads, t_q), dtype=torch.float32, device=q.device
-    )
-    grid = (triton.cdiv(t_q, settings["BLOCK_Q"]), batch * heads)
-    _forward_kernel[grid](
-        q, k, v, out, logsumexp,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        heads, t_q, t_k, scale, CAUSAL=bool(causal), **settings,
-    )  # fmt: skip
+    logsumexp = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    forward_launch(
+        q, k, v, out, logsumexp, causal=causal, scale=scale, tiles=tiles
+    )()
     return out, logsumexp
 
 
@@ -295,25 +482,85 @@ def attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Run the backward kernels: ``(dq, dk, dv)`` of ``sum(d_out * out)``."""
     scale = _check_inputs(q, k, v, scale, block_q, block_k)
-    settings = _launch_settings(q, block_q, block_k, backward=True)
-    (batch, heads, t_q, _), t_k = q.shape, k.shape[2]
+    tiles = {
+        name: _tiles(q, name, block_q, block_k, None)
+        for name in ("backward_dk_dv", "backward_dq")
+    }
     # One layout for q, d_out and dq, and one for k, v, dk and dv.
     q, d_out = q.contiguous(), d_out.contiguous()
     k, v = k.contiguous(), v.contiguous()
     delta = (d_out.float() * out.float()).sum(dim=-1)  # (B, H, T_q)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    common = dict(CAUSAL=bool(causal), **settings)
-    by_keys = (triton.cdiv(t_k, settings["BLOCK_K"]), batch * heads)
-    _backward_dk_dv_kernel[by_keys](
-        q, k, v, d_out, logsumexp, delta, dk, dv,
-        *q.stride(), *k.stride(), heads, t_q, t_k, scale, **common,
-    )  # fmt: skip
-    by_queries = (triton.cdiv(t_q, settings["BLOCK_Q"]), batch * heads)
-    _backward_dq_kernel[by_queries](
-        q, k, v, d_out, logsumexp, delta, dq,
-        *q.stride(), *k.stride(), heads, t_q, t_k, scale, **common,
-    )  # fmt: skip
+    for launch in backward_launches(
+        q, k, v, d_out, logsumexp, delta, dq, dk, dv,
+        causal=causal, scale=scale, tiles=tiles,
+    ):  # fmt: skip
+        launch()
     return dq, dk, dv
+
+
+def split_kv_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    block_k: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Split-KV attention ("Flash-Decoding"): ``(out, logsumexp)``.
+
+    The keys are cut into ``num_splits`` ranges (default
+    :func:`default_num_splits`); one program per (split, query tile, batch,
+    head) writes its range's output and logsumexp, and
+    :func:`merge_partials` merges them. Meant for few queries and a long
+    cache. No gradient.
+    """
+    scale = _check_inputs(q, k, v, scale, None, block_k)
+    tiles = _tiles(q, "split_kv", None, block_k, None)
+    (batch, heads, t_q, d_k), t_k = q.shape, k.shape[2]
+    if num_splits is None:
+        programs = batch * heads * triton.cdiv(t_q, tiles.block_q)
+        num_splits = default_num_splits(
+            programs, t_k, tiles.block_k, _multiprocessors(q.device)
+        )
+    keys_per_split, splits = split_sizes(t_k, num_splits, tiles.block_k)
+    partial = torch.empty(
+        (batch, heads, splits, t_q, d_k), dtype=torch.float32, device=q.device
+    )
+    partial_lse = torch.empty(partial.shape[:-1], **_like(partial))
+    with torch.no_grad():
+        split_kv_launch(
+            q, k, v, partial, partial_lse, causal=causal, scale=scale,
+            tiles=tiles, keys_per_split=keys_per_split,
+        )()  # fmt: skip
+        out, logsumexp = merge_partials(partial, partial_lse)
+    return out.to(q.dtype), logsumexp
+
+
+def merge_partials(partial: Tensor, partial_lse: Tensor):
+    """:func:`mha.flash.merge_partials` in torch, over axis 2 (the splits).
+
+    ``partial`` (B, H, S, T_q, d), ``partial_lse`` (B, H, S, T_q).
+    """
+    top = partial_lse.amax(dim=2, keepdim=True)  # (B, H, 1, T_q)
+    top = top.masked_fill(top == -math.inf, 0.0)  # every split empty
+    weights = torch.exp(partial_lse - top)  # (B, H, S, T_q)
+    total = weights.sum(dim=2)  # (B, H, T_q)
+    out = (weights[..., None] * partial).sum(dim=2)
+    out = out / total.masked_fill(total == 0, 1.0)[..., None]
+    return out, top[:, :, 0] + torch.log(total)
+
+
+def _like(t: Tensor) -> dict:
+    return {"dtype": t.dtype, "device": t.device}
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return H100_MULTIPROCESSORS
 
 
 class TritonAttention(torch.autograd.Function):
@@ -351,13 +598,16 @@ def triton_attention(
     """softmax(q k^T * scale) v by the Triton kernels, differentiable.
 
     Args:
-        q: (B, H, T_q, d_k); k, v: (B, H, T_k, d_k); float32 or float16, or
-            bfloat16 on a GPU; d_k in :data:`mha.kernels.HEAD_DIMS`. CUDA
-            tensors for the compiled kernels, CPU tensors in the interpreter.
-        causal: query i attends to keys 0..i (top-left aligned).
+        q: (B, H, T_q, d_k); k, v: (B, H_kv, T_k, d_k), H_kv dividing H
+            (query head h reads key/value head ``h // (H / H_kv)``);
+            float32 or float16, or bfloat16 on a GPU; any d_k up to 256.
+            CUDA tensors for the compiled kernels, CPU tensors in the
+            interpreter.
+        causal: bottom-right aligned: query i attends to keys 0..i + T_k -
+            T_q (top-left and bottom-right agree when T_q = T_k).
         scale: default ``1 / sqrt(d_k)``.
         block_q, block_k: tile sizes, powers of two >= 16; default
-            :func:`default_blocks`.
+            :func:`default_tiles`.
 
     Returns:
         (B, H, T_q, d_k), in the inputs' dtype.
@@ -393,17 +643,24 @@ def _check_inputs(q, k, v, scale, block_q, block_k) -> float:
         raise TypeError(
             f"q, k and v must be float32, float16 or bfloat16, got {q.dtype}"
         )
-    if k.shape != v.shape or q.shape[:2] + q.shape[3:] != k.shape[:2] + (
-        k.shape[3],
+    if (
+        k.shape != v.shape
+        or q.shape[0] != k.shape[0]
+        or q.shape[3] != k.shape[3]
     ):
         raise ValueError(
-            "q must have shape (B, H, T_q, d_k) and k, v (B, H, T_k, d_k), "
+            "q must have shape (B, H, T_q, d_k) and k, v (B, H_kv, T_k, d_k), "
             f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if q.shape[-1] not in HEAD_DIMS:
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(
-            f"d_k (the last dimension of q) must be one of {HEAD_DIMS}, got "
-            f"{q.shape[-1]}"
+            "k and v must have a number of heads H_kv that divides q's H, got "
+            f"H = {q.shape[1]} and H_kv = {k.shape[1]}"
+        )
+    if not 0 < q.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"d_k (the last dimension of q) must be at most {MAX_HEAD_DIM}, "
+            f"got {q.shape[-1]}"
         )
     if q.shape[2] == 0 or k.shape[2] == 0:
         raise ValueError(

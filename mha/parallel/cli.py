@@ -175,7 +175,7 @@ def _summary(config, ranks, pids, seconds) -> dict[str, Any]:
     """The worst difference over ranks and both versions; rank 0's counts."""
     versions = {
         name: _over_ranks([r[name] for r in ranks])
-        for name in ("hand", "dtensor")
+        for name in ("hand", "dtensor", "dtensor_per_projection")
         if ranks[0][name] is not None
     }
     hand = versions["hand"]
@@ -195,6 +195,7 @@ def _summary(config, ranks, pids, seconds) -> dict[str, Any]:
         "backward_all_reduce_calls": hand["backward_all_reduce_calls"],
         "hand": hand,
         "dtensor": versions.get("dtensor"),
+        "dtensor_per_projection": versions.get("dtensor_per_projection"),
         "tolerance": tolerance,
         "seconds": round(seconds, 3),
         "pids": pids,
@@ -245,7 +246,7 @@ def _bench_summary(config, procs, threads, ranks) -> dict[str, Any]:
         "bytes_all_reduced": [r["bytes_all_reduced"] for r in ranks],
         "weight_bytes": [r["weight_bytes"] for r in ranks],
         "weight_bytes_formula": itemsize
-        * counting.tensor_parallel_parameters(D, H, procs),
+        * counting.tensor_parallel_parameters(D, H, procs, bias=True),
         "activation_bytes": [r["activation_bytes"] for r in ranks],
         "activation_bytes_formula": itemsize
         * counting.tensor_parallel_saved_elements(B, T, D, H, procs),
@@ -258,7 +259,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m mha.parallel",
         description="Multi-head attention split by heads over N local "
-        "processes (torch.distributed: gloo on CPUs, NCCL on GPUs).",
+        "processes (torch.distributed: gloo on CPUs, tested; NCCL on GPUs, "
+        "untested).",
     )
     job = p.add_mutually_exclusive_group(required=True)
     job.add_argument(

@@ -35,6 +35,7 @@ def worker_main(config: dict[str, Any]) -> None:
     torch.set_num_threads(int(config.get("threads", 1)))
     device = _device(config["device"], rank)
     store = os.environ.get(STORE)  # unset under torchrun: env:// instead
+    # NCCL on GPUs is written but untested: the tests run gloo on CPUs only.
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         store=None if store is None else dist.FileStore(store, world),
@@ -104,13 +105,18 @@ def check_rank(rank, world, device, config) -> dict[str, Any]:
     result = {"hand": _compare(hand, out_ref, x_ref.grad, expected)}
     if getattr(layer, "num_kv_heads", layer.num_heads) % world:
         result["dtensor"] = None  # ColwiseParallel would cut a k/v head
+        result["dtensor_per_projection"] = None
         return result
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (world,))
-    full = parallelize_heads(unfuse(layer), mesh)
-    dtensor = _run(full, x, grad_out, causal)
-    result["dtensor"] = _compare(dtensor, out_ref, x_ref.grad, expected)
+    for name, input_once in (
+        ("dtensor", True),
+        ("dtensor_per_projection", False),
+    ):
+        full = parallelize_heads(unfuse(layer), mesh, input_once=input_once)
+        run = _run(full, x, grad_out, causal)
+        result[name] = _compare(run, out_ref, x_ref.grad, expected)
     return result
 
 

@@ -45,7 +45,7 @@ from .._validate import check_divisible, check_int
 from ..decoding import GroupedQueryAttention, grouped_attention
 from ..functional import causal_mask, merge_heads, split_heads
 from ..module import MultiHeadAttention
-from ..positions import apply_rope
+from ..positions import Rope, apply_rope, as_rope
 
 __all__ = [
     "SelfAttention",
@@ -67,7 +67,8 @@ class SelfAttention(nn.Module):
     (D, H d_k). The head counts are read from the projections' widths (and
     ``-1`` in :func:`mha.functional.split_heads`), so the same code runs the
     whole layer and any process's share of it. ``rope_base``: rotary
-    positions 0 .. T-1 (None: none). No dropout; masks: ``is_causal`` only.
+    positions 0 .. T-1, a base or a :class:`mha.Rope` (None: none). No
+    dropout; masks: ``is_causal`` only.
     """
 
     def __init__(
@@ -77,24 +78,29 @@ class SelfAttention(nn.Module):
         v_proj: nn.Linear,
         o_proj: nn.Linear,
         head_dim: int,
-        rope_base: float | None = None,
+        rope_base: float | Rope | None = None,
     ) -> None:
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj = q_proj, k_proj, v_proj
         self.o_proj = o_proj
         self.head_dim = check_int("head_dim", head_dim)
-        self.rope_base = rope_base
+        self.rope = None if rope_base is None else as_rope(rope_base)
         self.num_heads, self.num_kv_heads = _check_widths(self)
+
+    @property
+    def rope_base(self) -> float | None:
+        """RoPE's base, or None without rotary positions."""
+        return None if self.rope is None else self.rope.base
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, is_causal: bool
     ) -> Tensor:
         """q (B, H, T, d_k), k and v (B, H_kv, T, d_k) -> (B, H, T, d_k)."""
         T = q.shape[2]
-        if self.rope_base is not None:  # turn q and k by their positions
+        if self.rope is not None:  # turn q and k by their positions
             positions = torch.arange(T, device=q.device)
-            q = apply_rope(q, positions, self.rope_base)
-            k = apply_rope(k, positions, self.rope_base)
+            q = apply_rope(q, positions, self.rope)
+            k = apply_rope(k, positions, self.rope)
         keep = causal_mask(T, device=q.device) if is_causal else None
         return grouped_attention(q, k, v, keep)  # (B, H, T, d_k)
 
@@ -193,7 +199,7 @@ def unfuse(layer: MultiHeadAttention | GroupedQueryAttention) -> SelfAttention:
             copy.deepcopy(getattr(layer, name))
             for name in ("q_proj", "k_proj", "v_proj", "o_proj")
         ]
-        return SelfAttention(*projections, layer.head_dim, layer.rope_base)
+        return SelfAttention(*projections, layer.head_dim, layer.rope)
     D = layer.embed_dim
     weights = layer.in_proj_weight.split(D)  # W_Q, W_K, W_V: (D, D) each
     biases = (
@@ -240,23 +246,43 @@ def shard_heads(
         _rows(layer.v_proj, own_kv),
         _columns(layer.o_proj, own_q),  # row-parallel: input features
         head_dim=d_k,
-        rope_base=layer.rope_base,
+        rope_base=layer.rope,
         kv_replicas=max(1, world_size // H_kv),
         group=group,
     )
 
 
-def parallelize_heads(layer: SelfAttention, mesh) -> SelfAttention:
-    """``layer``'s heads spread over ``mesh`` by DTensor, in place."""
-    from torch.distributed.tensor import Shard
+def parallelize_heads(
+    layer: SelfAttention, mesh, *, input_once: bool = True
+) -> SelfAttention:
+    """``layer``'s heads spread over ``mesh`` by DTensor, in place.
+
+    ``input_once``: make the input a replicated DTensor once, before the
+    three projections (``PrepareModuleInput``), so that the backward pass
+    all-reduces its gradient once; ``False`` leaves that to each
+    ``ColwiseParallel``, and the backward pass all-reduces three times.
+    """
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.experimental import local_map
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
         RowwiseParallel,
         parallelize_module,
     )
 
     _check_dtensor_split(layer, mesh.size())
+    if input_once:  # x: one replicated DTensor; the partial sums of its
+        # gradient from q, k and v are added locally, then all-reduced once
+        parallelize_module(
+            layer,
+            mesh,
+            PrepareModuleInput(
+                input_layouts=(Replicate(),),
+                desired_input_layouts=(Replicate(),),
+                use_local_output=False,
+            ),
+        )
     plan = {
         name: ColwiseParallel(use_local_output=False)  # q, k, v: DTensors
         for name in ("q_proj", "k_proj", "v_proj")

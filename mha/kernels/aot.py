@@ -1,0 +1,229 @@
+"""Compile the kernels ahead of time for a named GPU, and read what came out.
+
+No GPU is needed: Triton compiles for a *target* (``GPUTarget("cuda", 90,
+32)`` is an H100's sm_90) down to PTX and then, with the ``ptxas`` that the
+triton wheel ships, to a cubin, the GPU's machine code. This module builds
+the exact launches that :func:`mha.kernels.triton_attention` would make (the
+same launch code, on ``device="meta"`` tensors that have shapes and strides
+but no data), compiles each for the target and reads:
+
+* registers per thread and stack bytes from the cubin (``cuobjdump
+  -res-usage``), and the same registers, the stack and the spill stores and
+  loads from ``ptxas -v`` run again on the PTX: the two routes must agree;
+* shared memory per program: what Triton allocates (its metadata) plus what
+  ``ptxas`` placed statically;
+* tensor-core instructions in the SASS (``cuobjdump -sass``): ``HMMA`` (sm_80
+  and sm_90) and ``HGMMA`` (sm_90's warpgroup products).
+
+The kernels must be decorated with ``TRITON_INTERPRET`` off, so
+:func:`inspect_builds` runs in a process where it is ("0"); ``python -m
+mha.kernels --inspect`` starts one.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+
+from . import INTERPRETED
+from . import attention as kernels
+from .tiles import SHARED_LIMIT
+
+__all__ = [
+    "ARCHS",
+    "SHARED_LIMIT",
+    "DTYPES",
+    "example_launches",
+    "compile_launch",
+    "read_build",
+    "inspect_builds",
+    "sass",
+]
+
+#: Targets by name: compute capability (A100: sm_80, H100: sm_90).
+ARCHS = {"sm_80": 80, "sm_90": 90}
+
+DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+
+# A representative launch: 4 sequences of 4096 tokens, 32 query heads
+# sharing 8 key/value heads (as Llama 3 8B does); one new token per
+# sequence for the split-KV kernel.
+EXAMPLE = {"batch": 4, "heads": 32, "kv_heads": 8, "t": 4096}
+
+TENSOR_CORE = re.compile(r"\b(HGMMA|HMMA)\.")
+
+
+def example_launches(
+    kernel: str, dtype: torch.dtype, head_dim: int, capability: int
+) -> list:
+    """The launch(es) of ``kernel`` that :mod:`mha.kernels.attention` makes,
+    with its default tiles for the target, on meta tensors."""
+    batch, heads, kv_heads, t = EXAMPLE.values()
+    major = (capability // 10, capability % 10)
+
+    def tensor(h, length, d=head_dim, kind=dtype):
+        return torch.empty((batch, h, length, d), dtype=kind, device="meta")
+
+    t_q = 1 if kernel == "split_kv" else t
+    q, k, v = tensor(heads, t_q), tensor(kv_heads, t), tensor(kv_heads, t)
+    lse = torch.empty((batch, heads, t_q), device="meta")
+    tiles = kernels.default_tiles(kernel, head_dim, dtype, major)
+    common = dict(causal=True, scale=head_dim**-0.5)
+    if kernel == "forward":
+        return [kernels.forward_launch(q, k, v, q, lse, tiles=tiles, **common)]
+    if kernel == "split_kv":
+        programs = batch * heads  # one query tile each
+        splits = kernels.default_num_splits(
+            programs, t, tiles.block_k, kernels.H100_MULTIPROCESSORS
+        )
+        keys, splits = kernels.split_sizes(t, splits, tiles.block_k)
+        partial = torch.empty(
+            (batch, heads, splits, t_q, head_dim), device="meta"
+        )
+        return [
+            kernels.split_kv_launch(
+                q, k, v, partial, partial[..., 0], tiles=tiles,
+                keys_per_split=keys, **common,
+            )
+        ]  # fmt: skip
+    names = ("backward_dk_dv", "backward_dq")
+    both = {name: kernels.default_tiles(name, head_dim, dtype, major)
+            for name in names}  # fmt: skip
+    launches = kernels.backward_launches(
+        q, k, v, q, lse, lse, q, k, v, tiles=both, **common
+    )
+    return [launches[names.index(kernel)]]
+
+
+def compile_launch(launch, capability: int):
+    """Compile one launch for ``GPUTarget("cuda", capability, 32)``.
+
+    The arguments are specialised as a real launch would specialise them
+    (integers equal to 1 become constants, pointers and integers divisible
+    by 16 are marked so), by Triton's own binder.
+    """
+    backend = make_backend(GPUTarget("cuda", capability, 32))
+    fn = launch.kernel
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.constants)
+    options, signature, constexprs, attrs = fn._pack_args(
+        backend, launch.constants, bound, specialization, options
+    )
+    source = ASTSource(fn, signature, constexprs, attrs)
+    target = GPUTarget("cuda", capability, 32)
+    return triton.compile(source, target=target, options=options.__dict__)
+
+
+def _tool(name: str, *args: str) -> str:
+    path = getattr(triton.knobs.nvidia, name).path
+    done = subprocess.run(
+        [path, *args], capture_output=True, text=True, check=True
+    )
+    return done.stdout + done.stderr
+
+
+def _number(pattern: str, text: str) -> int:
+    found = re.search(pattern, text)
+    if found is None:
+        raise RuntimeError(f"{pattern!r} not found in:\n{text}")
+    return int(found.group(1))
+
+
+def sass(cubin: bytes) -> str:
+    """The cubin's machine code, as ``cuobjdump -sass`` prints it."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "kernel.cubin"
+        path.write_bytes(cubin)
+        return _tool("cuobjdump", "-sass", str(path))
+
+
+def read_build(compiled, arch: str) -> dict:
+    """Registers, stack, spills, shared memory, tensor-core instructions."""
+    with tempfile.TemporaryDirectory() as folder:
+        cubin, ptx = Path(folder) / "k.cubin", Path(folder) / "k.ptx"
+        cubin.write_bytes(compiled.asm["cubin"])
+        ptx.write_text(compiled.asm["ptx"])
+        usage = _tool("cuobjdump", "-res-usage", str(cubin))
+        # ptxas again, with Triton's own flags (compiler.py, make_cubin)
+        gpu = "sm_90a" if arch == "sm_90" else arch
+        ptxas = "ptxas_blackwell" if arch == "sm_90" else "ptxas"
+        fmad = [] if compiled.metadata.enable_fp_fusion else ["--fmad=false"]
+        log = _tool(
+            ptxas, "-lineinfo", *fmad, "-v", "--regAllocOptLevel=2",
+            f"--gpu-name={gpu}", str(ptx), "-o", str(Path(folder) / "x"),
+        )  # fmt: skip
+        code = _tool("cuobjdump", "-sass", str(cubin))
+    registers = _number(r"REG:(\d+)", usage)
+    stack = _number(r"STACK:(\d+)", usage)
+    if registers != _number(r"Used (\d+) registers", log) or stack != (
+        _number(r"(\d+) bytes stack frame", log)
+    ):
+        raise RuntimeError(f"cuobjdump and ptxas disagree:\n{usage}\n{log}")
+    spills = _number(r"(\d+) bytes spill stores", log) + _number(
+        r"(\d+) bytes spill loads", log
+    )
+    return {
+        "registers": registers,
+        "stack_bytes": stack,
+        "spill_bytes": spills,
+        "shared_bytes": compiled.metadata.shared
+        + _number(r"SHARED:(\d+)", usage),
+        "tensor_core_instructions": len(TENSOR_CORE.findall(code)),
+    }
+
+
+def inspect_builds(
+    archs=("sm_80", "sm_90"),
+    dtypes=("float16", "bfloat16", "float32"),
+    head_dims=(64, 128, 256),
+    kernel_names=kernels.KERNELS,
+    cubin_dir: Path | None = None,
+) -> Iterator[dict]:
+    """Compile each (kernel, arch, dtype, head_dim) and yield its row."""
+    if INTERPRETED is not False:
+        raise RuntimeError(
+            "the kernels were decorated for Triton's interpreter: inspect in "
+            "a process started with TRITON_INTERPRET=0"
+        )
+    for arch in archs:
+        for dtype in dtypes:
+            for head_dim in head_dims:
+                for name in kernel_names:
+                    yield _inspect_one(name, arch, dtype, head_dim, cubin_dir)
+
+
+def _inspect_one(name, arch, dtype, head_dim, cubin_dir) -> dict:
+    capability = ARCHS[arch]
+    (launch,) = example_launches(name, DTYPES[dtype], head_dim, capability)
+    compiled = compile_launch(launch, capability)
+    row = {
+        "kernel": name,
+        "arch": arch,
+        "dtype": dtype,
+        "head_dim": head_dim,
+        "block_q": launch.constants["BLOCK_Q"],
+        "block_k": launch.constants["BLOCK_K"],
+        "num_warps": launch.constants["num_warps"],
+        "num_stages": launch.constants["num_stages"],
+        **read_build(compiled, arch),
+        "cubin": None,
+    }
+    if cubin_dir is not None:
+        path = Path(cubin_dir) / f"{name}_{arch}_{dtype}_d{head_dim}.cubin"
+        path.write_bytes(compiled.asm["cubin"])
+        row["cubin"] = path.name
+    return row

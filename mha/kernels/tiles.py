@@ -1,0 +1,152 @@
+"""Launch settings of the attention kernels, importable without Triton.
+
+Which tiles, warps and pipeline stages each kernel of
+:mod:`mha.kernels.attention` is launched with, per GPU, dtype and head size
+(:func:`default_tiles`); how many key splits a decoding pass makes
+(:func:`default_num_splits`); and the GPUs' published limits that the
+choices respect (:data:`SHARED_LIMIT`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .._validate import check_int
+
+__all__ = [
+    "Tiles",
+    "KERNELS",
+    "default_tiles",
+    "padded_head_dim",
+    "default_num_splits",
+    "split_sizes",
+    "H100_MULTIPROCESSORS",
+    "SHARED_LIMIT",
+]
+
+#: The most shared memory one program may use (bytes): 163 KB on compute
+#: capability 8.0 and 227 KB on 9.0 (CUDA C++ Programming Guide, technical
+#: specifications per compute capability).
+SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """How a kernel is launched: tile sizes, warps and pipeline stages."""
+
+    block_q: int  # queries per tile
+    block_k: int  # keys per tile
+    num_warps: int  # warps of 32 threads per program
+    num_stages: int  # loads kept in flight by Triton's software pipelining
+
+
+#: The kernels, by the names the inspection reports.
+KERNELS = ("forward", "backward_dk_dv", "backward_dq", "split_kv")
+
+# Default tiles, chosen by compiling every kernel ahead of time (python -m
+# mha.kernels --inspect) so that no build spills registers to local memory
+# (at d_k 64, 128 and 256) and every program's shared memory fits the GPU:
+# (kernel, arch, bytes per element, padded head size) -> Tiles. Float32
+# products are computed in full float32 by the CUDA cores (no tensor cores),
+# which needs far more registers: smaller tiles, more warps. "sm_80" also
+# serves the GPUs other than sm_90; every sm_80 build fits the 99 KB of
+# shared memory that sm_86 and sm_89 allow a program.
+_TILES = {
+    # 16-bit inputs (float16, bfloat16)
+    ("forward", "sm_80", 2, 64): Tiles(128, 64, 4, 3),
+    ("forward", "sm_80", 2, 128): Tiles(128, 64, 8, 3),
+    ("forward", "sm_80", 2, 256): Tiles(64, 32, 4, 2),
+    ("forward", "sm_90", 2, 64): Tiles(128, 64, 4, 3),
+    ("forward", "sm_90", 2, 128): Tiles(128, 64, 8, 3),
+    ("forward", "sm_90", 2, 256): Tiles(64, 64, 8, 2),
+    ("split_kv", "sm_80", 2, 64): Tiles(16, 64, 4, 3),
+    ("split_kv", "sm_80", 2, 128): Tiles(16, 64, 4, 3),
+    ("split_kv", "sm_80", 2, 256): Tiles(16, 32, 4, 2),
+    ("split_kv", "sm_90", 2, 64): Tiles(16, 64, 4, 3),
+    ("split_kv", "sm_90", 2, 128): Tiles(16, 64, 4, 3),
+    ("split_kv", "sm_90", 2, 256): Tiles(16, 32, 4, 2),
+    ("backward_dk_dv", "sm_80", 2, 64): Tiles(32, 64, 8, 2),
+    ("backward_dk_dv", "sm_80", 2, 128): Tiles(32, 64, 8, 2),
+    ("backward_dk_dv", "sm_80", 2, 256): Tiles(16, 32, 8, 2),
+    ("backward_dk_dv", "sm_90", 2, 64): Tiles(32, 64, 4, 2),
+    ("backward_dk_dv", "sm_90", 2, 128): Tiles(32, 64, 8, 2),
+    ("backward_dk_dv", "sm_90", 2, 256): Tiles(16, 32, 8, 2),
+    ("backward_dq", "sm_80", 2, 64): Tiles(64, 32, 4, 2),
+    ("backward_dq", "sm_80", 2, 128): Tiles(64, 32, 8, 2),
+    ("backward_dq", "sm_80", 2, 256): Tiles(32, 16, 8, 2),
+    ("backward_dq", "sm_90", 2, 64): Tiles(64, 32, 4, 2),
+    ("backward_dq", "sm_90", 2, 128): Tiles(64, 32, 8, 2),
+    ("backward_dq", "sm_90", 2, 256): Tiles(32, 16, 8, 2),
+    # float32 inputs: twice the bytes per element, smaller tiles
+    ("forward", "sm_80", 4, 64): Tiles(64, 32, 8, 2),
+    ("forward", "sm_80", 4, 128): Tiles(64, 32, 8, 2),
+    ("forward", "sm_80", 4, 256): Tiles(32, 16, 8, 2),
+    ("forward", "sm_90", 4, 64): Tiles(64, 32, 8, 2),
+    ("forward", "sm_90", 4, 128): Tiles(64, 16, 8, 2),
+    ("forward", "sm_90", 4, 256): Tiles(32, 32, 8, 2),
+    ("split_kv", "sm_80", 4, 64): Tiles(16, 32, 4, 2),
+    ("split_kv", "sm_80", 4, 128): Tiles(16, 16, 4, 2),
+    ("split_kv", "sm_80", 4, 256): Tiles(16, 16, 8, 2),
+    ("split_kv", "sm_90", 4, 64): Tiles(16, 32, 4, 2),
+    ("split_kv", "sm_90", 4, 128): Tiles(16, 16, 4, 2),
+    ("split_kv", "sm_90", 4, 256): Tiles(16, 16, 4, 2),
+    ("backward_dk_dv", "sm_80", 4, 64): Tiles(32, 32, 8, 2),
+    ("backward_dk_dv", "sm_80", 4, 128): Tiles(16, 16, 8, 2),
+    ("backward_dk_dv", "sm_80", 4, 256): Tiles(16, 16, 8, 1),
+    ("backward_dk_dv", "sm_90", 4, 64): Tiles(32, 32, 8, 2),
+    ("backward_dk_dv", "sm_90", 4, 128): Tiles(16, 16, 8, 2),
+    ("backward_dk_dv", "sm_90", 4, 256): Tiles(16, 16, 8, 1),
+    ("backward_dq", "sm_80", 4, 64): Tiles(32, 32, 8, 2),
+    ("backward_dq", "sm_80", 4, 128): Tiles(32, 32, 8, 2),
+    ("backward_dq", "sm_80", 4, 256): Tiles(16, 16, 8, 2),
+    ("backward_dq", "sm_90", 4, 64): Tiles(32, 32, 8, 2),
+    ("backward_dq", "sm_90", 4, 128): Tiles(32, 32, 8, 2),
+    ("backward_dq", "sm_90", 4, 256): Tiles(16, 16, 8, 2),
+}
+
+
+def default_tiles(
+    kernel: str,
+    head_dim: int,
+    dtype: torch.dtype,
+    capability: tuple[int, int] = (9, 0),
+) -> Tiles:
+    """The default :class:`Tiles` of ``kernel`` for a head size, a dtype and
+    a GPU's compute capability ((8, 0) is the A100, (9, 0) the H100)."""
+    arch = "sm_90" if capability[0] in (9, 10) else "sm_80"
+    size = torch.empty((), dtype=dtype).element_size()
+    dim = max(64, padded_head_dim(head_dim))  # d_k 16, 32: d_k 64's tiles
+    return _TILES[kernel, arch, min(size, 4), dim]
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """d_k rounded up to a power of two, at least 16 (tl.dot's smallest)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def default_num_splits(
+    programs: int, t_k: int, block_k: int, multiprocessors: int
+) -> int:
+    """Key splits for a decoding pass of ``programs`` (query tile, head)
+    pairs: as many as keep every program of a split in one wave (one
+    program per multiprocessor), each split at least one key tile long."""
+    wanted = multiprocessors // programs
+    return max(1, min(wanted, _cdiv(t_k, block_k)))
+
+
+def split_sizes(t_k: int, num_splits: int, block_k: int) -> tuple[int, int]:
+    """Keys per split, a whole number of key tiles, and the splits that
+    makes (at most ``num_splits``)."""
+    check_int("num_splits", num_splits)
+    tiles = _cdiv(_cdiv(t_k, num_splits), block_k)
+    return tiles * block_k, _cdiv(t_k, tiles * block_k)
+
+
+#: Streaming multiprocessors assumed where no GPU says: the H100 SXM's 132.
+H100_MULTIPROCESSORS = 132

@@ -1,0 +1,144 @@
+"""Tests of ``python -m mha.kernels --inspect``: the kernels compiled ahead of time for GPUs.
+
+No GPU is needed: Triton compiles for a named target. The expectations are derived from NVIDIA's
+documentation, not from the tool's output: an sm_80 cubin's float16 products are ``HMMA.16816``
+instructions (the m16n8k16 shape of ``mma.sync`` on compute capability 8.x), sm_90's are
+warpgroup ``HGMMA.64xN`` instructions (``wgmma`` with M = 64); a cubin is an ELF file; a
+program's shared memory is at most 163 KB (8.0) and 227 KB (9.0); a thread has at most 255
+registers. The subset compiled here (two builds) is bounded in time; the committed results of
+the full command (``benchmarks/kernels_*.json``) are checked against the code's default tiles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mha import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.TRITON_AVAILABLE, reason="triton is not installed")
+
+ROOT = Path(__file__).resolve().parent.parent
+LIMITS = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    return subprocess.run(
+        [sys.executable, "-m", "mha.kernels", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=environment,
+        check=False,
+        cwd=ROOT,
+    )
+
+
+def test_help_lists_the_options() -> None:
+    completed = _run("--help", timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    for option in ("--inspect", "--arch", "--cubin-dir", "--output"):
+        assert option in completed.stdout
+
+
+def test_bad_arguments_are_refused_with_a_reason() -> None:
+    completed = _run(timeout=120)
+    assert completed.returncode == 2 and "nothing to do: pass --inspect" in completed.stderr
+    completed = _run("--inspect", "--arch", "sm_70", timeout=120)
+    assert completed.returncode == 2 and "arch must be among sm_80, sm_90" in completed.stderr
+    completed = _run("--inspect", "--head-dim", "300", timeout=120)
+    assert completed.returncode == 2 and "between 1 and 256" in completed.stderr
+
+
+def test_forward_kernel_compiles_for_a100_and_h100(tmp_path: Path) -> None:
+    # Two builds, from a process that imported mha.kernels for the interpreter (the command
+    # starts a compiling process itself): float16, d_k = 128, sm_80 and sm_90.
+    start = time.perf_counter()
+    completed = _run(
+        "--inspect", "--arch", "sm_80,sm_90", "--dtype", "float16", "--head-dim", "128",
+        "--kernel", "forward", "--cubin-dir", str(tmp_path), "--output", str(tmp_path / "r.json"),
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    assert time.perf_counter() - start < 240
+    rows = [json.loads(line) for line in completed.stdout.splitlines()]
+    assert [(row["kernel"], row["arch"]) for row in rows] == [
+        ("forward", "sm_80"),
+        ("forward", "sm_90"),
+    ]
+    for row in rows:
+        assert row["spill_bytes"] == 0 and row["stack_bytes"] == 0, row
+        assert 0 < row["registers"] <= 255 and 0 < row["shared_bytes"] <= LIMITS[row["arch"]]
+        assert row["tensor_core_instructions"] > 0
+        cubin = tmp_path / row["cubin"]
+        assert cubin.read_bytes()[:4] == b"\x7fELF"
+        sass = _sass(cubin)
+        assert f"code for {row['arch']}" in sass  # sm_90: "sm_90a"
+        if row["arch"] == "sm_80":
+            assert sass.count("HMMA.16816.F32") == row["tensor_core_instructions"]
+        else:
+            assert "HGMMA.64x" in sass
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["builds"] == rows
+    assert written["environment"]["triton_version"] == _triton_version()
+
+
+def _sass(cubin: Path) -> str:
+    import triton
+
+    tool = triton.knobs.nvidia.cuobjdump.path
+    done = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True)
+    return done.stdout
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def _committed() -> dict:
+    files = sorted((ROOT / "benchmarks").glob("kernels_2*.json"))
+    assert files, "no committed results of python -m mha.kernels --inspect"
+    return json.loads(files[-1].read_text())
+
+
+def test_committed_inspection_covers_every_build_without_spills() -> None:
+    result = _committed()
+    rows = result["builds"]
+    builds = {(r["kernel"], r["arch"], r["dtype"], r["head_dim"]) for r in rows}
+    assert len(builds) == len(rows) == 4 * 2 * 3 * 3  # kernels, GPUs, dtypes, head sizes
+    assert {row["head_dim"] for row in rows} == {64, 128, 256}
+    for row in rows:
+        assert row["spill_bytes"] == 0 and row["stack_bytes"] == 0, row
+        assert row["shared_bytes"] <= LIMITS[row["arch"]], row
+        if row["arch"] == "sm_80":  # its tiles serve sm_86 and sm_89 too: 99 KB a program
+            assert row["shared_bytes"] <= 99 * 1024, row
+        if row["dtype"] != "float32":  # float32 products in full float32: no tensor cores
+            assert row["tensor_core_instructions"] > 0, row
+    environment = result["environment"]
+    assert environment["git_commit"] and environment["date_utc"]
+    assert result["command"].startswith("python -m mha.kernels --inspect")
+
+
+def test_committed_inspection_used_the_default_tiles() -> None:
+    import torch
+    from mha.kernels.tiles import default_tiles
+
+    dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    capability = {"sm_80": (8, 0), "sm_90": (9, 0)}
+    for row in _committed()["builds"]:
+        tiles = default_tiles(
+            row["kernel"], row["head_dim"], dtypes[row["dtype"]], capability[row["arch"]]
+        )
+        assert (row["block_q"], row["block_k"], row["num_warps"], row["num_stages"]) == (
+            tiles.block_q,
+            tiles.block_k,
+            tiles.num_warps,
+            tiles.num_stages,
+        ), row
