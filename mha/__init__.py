@@ -21,6 +21,7 @@ pin it (``tests/test_rooms.py`` keeps the table true):
 * :mod:`mha.flash` - tiled online-softmax attention
 * :mod:`mha.kernels` - Triton attention kernels
 * :mod:`mha.parallel` - heads across processes
+* :mod:`mha.variants` - masks and scores as functions, FlexAttention
 
 The order inside a topic: the NumPy reference first, then the torch or fast
 version, tests that pin one to the other, a benchmark entry, the chapter.
@@ -65,6 +66,7 @@ _LAZY = {
     "parallelize_heads": "mha.parallel",
     "copy_to_ranks": "mha.parallel",
     "sum_over_ranks": "mha.parallel",
+    "RollingKVCache": "mha.variants",
 }
 
 __all__ = [*reference.__all__, *_LAZY]

@@ -27,6 +27,7 @@ __all__ = [
     "check_choice",
     "check_tensor",
     "check_same",
+    "check_positive",
     "shape_text",
 ]
 
@@ -81,13 +82,14 @@ def check_float(name: str, value: object, *, above: float = 0.0) -> float:
         raise TypeError(
             f"{name} must be a float, got {type(value).__name__} {value!r}"
         )
+    if above == 0 and not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{name} must be a positive finite float, got {value}"
+        )
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite float, got {value}")
     if not value > above:
-        expected = (
-            "a positive finite float" if above == 0 else f"a float > {above:g}"
-        )
-        raise ValueError(f"{name} must be {expected}, got {value}")
+        raise ValueError(f"{name} must be a float > {above:g}, got {value}")
     return float(value)
 
 
@@ -108,6 +110,11 @@ def check_choice(
             f"got {value!r}"
         )
     return value
+
+
+def check_positive(name: str, value: object) -> float:
+    """``value`` as a ``float``: a real number, finite and above zero."""
+    return check_float(name, value)
 
 
 def shape_text(expected: dict[str, tuple[int, ...]]) -> str:

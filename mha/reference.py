@@ -18,12 +18,17 @@ Conventions (see the notation appendix):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from ._validate import check_choice, check_divisible, check_int
+from ._validate import (
+    check_choice,
+    check_divisible,
+    check_int,
+    check_positive,
+)
 
 __all__ = [
     "softmax",
@@ -35,6 +40,14 @@ __all__ = [
     "multi_head_cross_attention",
     "causal_mask",
     "padding_mask",
+    "sliding_window_mask",
+    "sink_window_mask",
+    "document_mask",
+    "prefix_lm_mask",
+    "alibi_slopes",
+    "alibi_bias",
+    "softcap",
+    "attention_with_score_mod",
 ]
 
 Array = NDArray[np.floating]
@@ -253,6 +266,134 @@ def padding_mask(lengths: ArrayLike, max_len: int) -> NDArray[np.bool_]:
     """
     lengths = _check_lengths(lengths, max_len)
     return np.arange(max_len)[None, :] < lengths[:, None]
+
+
+# -----------------------------------------------------------------------------
+# Attention variants, dense: the twins of mha.variants' mask and score
+# functions. Query i and key j are indices into q and k.
+
+
+def sliding_window_mask(
+    t_q: int, t_k: int | None = None, *, window: int
+) -> NDArray[np.bool_]:
+    """Boolean (T_q, T_k) mask: query i sees keys j with i - window < j <= i.
+
+    The causal mask cut to the last ``window`` keys (the query's own key
+    included), as in Mistral 7B and Gemma 2's local layers.
+    """
+    t_q = check_int("t_q", t_q)
+    t_k = t_q if t_k is None else check_int("t_k", t_k)
+    window = check_int("window", window)
+    distance = np.arange(t_q)[:, None] - np.arange(t_k)[None, :]  # i - j
+    return (distance >= 0) & (distance < window)
+
+
+def sink_window_mask(
+    t_q: int, t_k: int | None = None, *, window: int, sinks: int
+) -> NDArray[np.bool_]:
+    """A sliding window that also keeps the first ``sinks`` keys.
+
+    Query i sees keys j <= i with i - window < j or j < sinks: StreamingLLM's
+    attention sinks (Xiao et al. 2024), which keep the first tokens that
+    trained models give much weight to, and a window of the newest.
+    """
+    window_keys = sliding_window_mask(t_q, t_k, window=window)
+    t_k = window_keys.shape[1]
+    sinks = check_int("sinks", sinks, minimum=0)
+    first = np.arange(t_k)[None, :] < sinks  # (1, T_k)
+    return window_keys | (first & causal_mask(t_q, t_k))
+
+
+def document_mask(doc_ids: ArrayLike) -> NDArray[np.bool_]:
+    """Boolean (T, T) mask for documents packed into one row of T tokens.
+
+    ``doc_ids[t]`` names the document of token t; query i sees key j when
+    both belong to the same document and j <= i.
+    """
+    doc_ids = _check_doc_ids(doc_ids)
+    same = doc_ids[:, None] == doc_ids[None, :]
+    return same & causal_mask(len(doc_ids))
+
+
+def prefix_lm_mask(
+    t_q: int, t_k: int | None = None, *, prefix_len: int
+) -> NDArray[np.bool_]:
+    """Boolean (T_q, T_k) mask: every query sees the prefix, causal after it.
+
+    Key j is visible to query i when j < prefix_len or j <= i (a prefix
+    language model: the prompt is read both ways, the rest left to right).
+    """
+    t_q = check_int("t_q", t_q)
+    t_k = t_q if t_k is None else check_int("t_k", t_k)
+    prefix_len = check_int("prefix_len", prefix_len, minimum=0)
+    in_prefix = np.arange(t_k)[None, :] < prefix_len  # (1, T_k)
+    return in_prefix | causal_mask(t_q, t_k)
+
+
+def alibi_slopes(num_heads: int) -> Array:
+    """ALiBi's slope of each head, shape (H,) (Press et al. 2022).
+
+    For H a power of two: 2^(-8h/H) for h = 1 .. H. Otherwise the slopes of
+    the largest power of two n < H, then every second slope of 2n.
+    """
+    num_heads = check_int("num_heads", num_heads)
+    n = 2 ** int(np.floor(np.log2(num_heads)))  # largest power of 2 <= H
+    slopes = 2.0 ** (-8.0 * np.arange(1, n + 1) / n)
+    if n == num_heads:
+        return slopes
+    extra = 2.0 ** (-8.0 * np.arange(1, 2 * n + 1) / (2 * n))[::2]
+    return np.concatenate([slopes, extra[: num_heads - n]])
+
+
+def alibi_bias(num_heads: int, t_q: int, t_k: int | None = None) -> Array:
+    """ALiBi's bias added to the scores, (H, T_q, T_k): slope_h * (j - i).
+
+    Zero on the diagonal, more negative the further key j lies behind
+    query i; no position is added to the inputs.
+    """
+    t_q = check_int("t_q", t_q)
+    t_k = t_q if t_k is None else check_int("t_k", t_k)
+    offset = np.arange(t_k)[None, :] - np.arange(t_q)[:, None]  # j - i
+    return alibi_slopes(num_heads)[:, None, None] * offset  # (H, T_q, T_k)
+
+
+def softcap(scores: ArrayLike, cap: float) -> Array:
+    """cap * tanh(scores / cap): scores squashed smoothly into (-cap, cap).
+
+    Near zero it changes nothing (tanh(x) ~ x); Gemma 2 caps its attention
+    scores at 50.
+    """
+    cap = check_positive("cap", cap)
+    return cap * np.tanh(_as_float_array("scores", scores) / cap)
+
+
+def attention_with_score_mod(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    mask: ArrayLike | None = None,
+    *,
+    score_mod: Callable[[Array], Array] | None = None,
+    scale: float | None = None,
+) -> tuple[Array, Array]:
+    """:func:`scaled_dot_product_attention` with the scores changed first.
+
+    ``score_mod`` takes the scaled scores, (..., T_q, T_k), and returns new
+    ones of the same shape (``lambda s: s + alibi_bias(H, T_q, T_k)``,
+    ``lambda s: softcap(s, 50.0)``); the mask is applied after it, as
+    FlexAttention applies its ``mask_mod`` after its ``score_mod``.
+    Returns ``(output, weights)``, (..., T_q, d_v) and (..., T_q, T_k).
+    """
+    q, k, v, mask = check_attention_inputs(q, k, v, mask)
+    if scale is None:
+        scale = 1.0 / np.sqrt(q.shape[-1])
+    scores = (q @ np.swapaxes(k, -1, -2)) * scale  # (..., T_q, T_k)
+    if score_mod is not None:
+        scores = _check_modified(score_mod(scores), scores.shape)
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)  # a blocked key gets weight 0
+    weights = softmax(scores, axis=-1)  # (..., T_q, T_k)
+    return weights @ v, weights  # (..., T_q, d_v), (..., T_q, T_k)
 
 
 # -----------------------------------------------------------------------------
@@ -521,3 +662,30 @@ def _check_lengths(lengths: ArrayLike, max_len: int) -> NDArray[np.integer]:
             f"got {lengths.tolist()}"
         )
     return lengths
+
+
+def _check_doc_ids(doc_ids: ArrayLike) -> NDArray[np.integer]:
+    doc_ids = np.asarray(doc_ids)
+    if doc_ids.ndim != 1 or doc_ids.size == 0:
+        raise ValueError(
+            "doc_ids must be a non-empty 1-D array (T,) of ints, got shape "
+            f"{doc_ids.shape}"
+        )
+    if not np.issubdtype(doc_ids.dtype, np.integer):
+        raise TypeError(
+            f"doc_ids must be an array of ints, got dtype {doc_ids.dtype}"
+        )
+    return doc_ids
+
+
+def _check_modified(scores: ArrayLike, shape: tuple[int, ...]) -> Array:
+    """The scores score_mod returned: the shape it was given, no NaN."""
+    scores = _as_float_array("score_mod(scores)", scores)
+    if scores.shape != shape:
+        raise ValueError(
+            f"score_mod must return the shape it was given, {shape}, "
+            f"got {scores.shape}"
+        )
+    if np.isnan(scores).any():
+        raise ValueError("score_mod(scores) must not contain NaN")
+    return scores

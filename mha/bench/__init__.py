@@ -1,13 +1,18 @@
-"""The benchmark harness: ``python -m mha.bench {layer,decode}``.
+"""The benchmark harness: ``python -m mha.bench {layer,decode,variants}``.
 
-Implementations of one computation timed side by side, on the CPU or a CUDA
-GPU, in interleaved rounds; medians and paired ratios with the environment.
-Rooms: :mod:`~mha.bench.registry`, the entries
+Times implementations of the same computation side by side, on the CPU or a
+CUDA GPU, in interleaved rounds, and reports medians and paired time ratios
+with the environment they were measured in: ``layer`` one multi-head
+self-attention layer against T, ``decode`` one generated token against the
+context, ``variants`` the attention core under an attention variant's mask
+(compiled FlexAttention against dense masks). Rooms:
+:mod:`~mha.bench.registry` (one entry = one decorated builder), the entries
 (:mod:`~mha.bench.implementations`, :mod:`~mha.bench.decode_steps`), the
-benchmarks (:mod:`~mha.bench.layer`, :mod:`~mha.bench.decode`), the one loop
-(:mod:`~mha.bench.timing`), :mod:`~mha.bench.memory`,
-:mod:`~mha.bench.report`, :mod:`~mha.bench.environment`,
-:mod:`~mha.bench.cli`. README.md: adding an entry or a benchmark.
+benchmarks (:mod:`~mha.bench.layer`, :mod:`~mha.bench.decode`,
+:mod:`~mha.bench.variants`, whose entries sit beside it), the one
+measurement loop (:mod:`~mha.bench.timing`), :mod:`~mha.bench.memory`,
+:mod:`~mha.bench.report`, :mod:`~mha.bench.environment`, :mod:`~mha.bench.cli`.
+README.md says how to add an entry or a benchmark.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ from .memory import *  # noqa: F403
 from .registry import *  # noqa: F403
 from .report import *  # noqa: F403
 from .timing import *  # noqa: F403
+from .variants import *  # noqa: F403
 
 #: What the rooms export (their ``__all__``), at ``mha.bench.<name>``.
 __all__ = [
     name
     for room in ("cli", "decode", "environment", "implementations", "layer")
-    + ("memory", "registry", "report", "timing")
+    + ("memory", "registry", "report", "timing", "variants")
     for name in import_module(f"{__name__}.{room}").__all__
 ]

@@ -1,4 +1,4 @@
-"""The command line: ``python -m mha.bench {layer,decode} [options]``.
+"""The command line: ``python -m mha.bench {layer,decode,variants} [...]``.
 
 A subcommand is a benchmark: its registry, its ``run`` function (named after
 whose keyword arguments the options are), its table, the common options
@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from . import decode, layer
+from . import decode, layer, variants
 from .registry import Implementation, implementation_table
 from .report import write_results
 from .timing import DEVICES, DTYPES, log
@@ -19,7 +19,7 @@ from .timing import DEVICES, DTYPES, log
 __all__ = ["main", "COMMANDS"]
 
 #: The subcommands; the first is the default.
-COMMANDS = ("layer", "decode")
+COMMANDS = ("layer", "decode", "variants")
 
 
 def _numbers(values: Sequence[int]) -> str:
@@ -125,6 +125,31 @@ def _parser() -> argparse.ArgumentParser:
         help=f"batch sizes (default: {_numbers(decode.DECODE_BATCHES)})")
     add("--kv-heads", type=int, nargs="+", metavar="H_KV", help="key/value "
         "head counts, each dividing H (default: H, H/4, 1: MHA, GQA, MQA)")
+    add = _command(
+        commands, "variants",
+        ("the attention core under a variant's mask against T",
+         "Time the attention core (B, H, T, d_k) under the mask of an "
+         "attention variant of mha.variants: compiled FlexAttention with its "
+         "block mask, SDPA with the same mask as a dense (T, T) tensor, and "
+         "the causal pair; also the first (compiling) call, the block mask's "
+         "build time and each output's difference from the dense mask's."),
+        variants.VARIANT_IMPLEMENTATIONS, variants.run_variants_benchmark,
+        variants.format_variants,
+        ("seq_lens", "sequence lengths (default: "
+         f"{_numbers(variants.VARIANT_SEQ_LENS)})"),
+    )
+    add("--batch", type=int, metavar="B", help="sequences per call "
+        "(default: 1)")
+    add("--mask", choices=variants.MASKS, help="the variant "
+        "(default: sliding_window)")
+    add("--window", type=int, metavar="W", help="keys in the window "
+        "(default: 256)")
+    add("--sinks", type=int, help="with --mask sink_window: first keys "
+        "every query keeps (default: 4)")
+    add("--warm-compile", dest="cold_compile", action="store_false",
+        default=None, help="compile with the compiler's usual cache (by "
+        "default an empty temporary one, so first calls include the whole "
+        "build)")
     # fmt: on
     return parser
 

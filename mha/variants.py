@@ -1,0 +1,462 @@
+"""Attention variants as functions, in FlexAttention's signatures.
+
+``torch.nn.attention.flex_attention`` takes two small functions instead of a
+dense mask or bias (Dong et al. 2024):
+
+* a **mask_mod** ``(b, h, q_idx, kv_idx) -> bool``: may query ``q_idx`` of
+  batch row ``b``, head ``h`` attend to key ``kv_idx``;
+* a **score_mod** ``(score, b, h, q_idx, kv_idx) -> score``: a new value for
+  one scaled score ``q . k / sqrt(d_k)``, applied before the mask.
+
+``create_block_mask`` evaluates a mask_mod once per tile of 128 x 128 scores
+and records which tiles are empty (skipped), full (no mask needed) or partly
+masked; ``torch.compile(flex_attention)`` turns the functions into one fused
+kernel that visits only the tiles that are not empty.
+
+Here: mask_mods :func:`causal`, :func:`sliding_window`, :func:`sink_window`,
+:func:`document`, :func:`prefix_lm`; score_mods :func:`alibi`,
+:func:`softcap`; :func:`flex`, which checks its inputs, builds the block mask
+and calls FlexAttention; :func:`tile_states`, what a block mask skips;
+:class:`RollingKVCache`, the ``window`` newest keys and values of a
+sliding-window decoder. Each function has a dense NumPy twin in
+:mod:`mha.reference` (``sliding_window_mask``, ``sink_window_mask``,
+``document_mask``, ``prefix_lm_mask``, ``alibi_bias``, ``softcap``).
+
+Every parameter (a window, document ids, slopes, a cap) is held as a tensor
+that the function reads, not as a Python number baked into its code, so that
+one compiled kernel serves every window or document layout: a new value is a
+new input, not a recompilation.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from numpy.typing import ArrayLike, NDArray
+from torch import Tensor
+from torch.nn.attention.flex_attention import (
+    BlockMask,
+    create_block_mask,
+    create_mask,
+    flex_attention,
+)
+
+from . import reference
+from ._validate import check_divisible, check_int, check_positive
+from .decoding import KVCache
+
+__all__ = [
+    "MaskMod",
+    "ScoreMod",
+    "causal",
+    "sliding_window",
+    "sink_window",
+    "document",
+    "prefix_lm",
+    "alibi",
+    "softcap",
+    "dense_mask",
+    "apply_score_mod",
+    "block_mask",
+    "flex",
+    "tile_states",
+    "RollingKVCache",
+]
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+# ---------------------------------------------------------------------------
+# mask_mods: (b, h, q_idx, kv_idx) -> True where the query may attend
+
+
+def causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """Query i sees keys j <= i (top-left aligned: indices, not positions)."""
+    return q_idx >= kv_idx
+
+
+def sliding_window(window: int) -> MaskMod:
+    """Query i sees the ``window`` keys j with i - window < j <= i."""
+    window = torch.tensor(check_int("window", window))
+
+    def sliding_window_mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    return sliding_window_mask
+
+
+def sink_window(window: int, sinks: int) -> MaskMod:
+    """A sliding window plus the first ``sinks`` keys (attention sinks).
+
+    Query i sees keys j <= i with i - window < j or j < sinks.
+    """
+    window = torch.tensor(check_int("window", window))
+    sinks = torch.tensor(check_int("sinks", sinks, minimum=0))
+
+    def sink_window_mask(b, h, q_idx, kv_idx):
+        near = q_idx - kv_idx < window
+        return (q_idx >= kv_idx) & (near | (kv_idx < sinks))
+
+    return sink_window_mask
+
+
+def document(doc_ids: ArrayLike | Tensor) -> MaskMod:
+    """Causal attention within each document of a packed row.
+
+    ``doc_ids[t]`` (T ints) names the document of token t; query i sees key j
+    when both lie in the same document and j <= i. The mask only fits rows of
+    ``len(doc_ids)`` tokens (:func:`block_mask` and :func:`flex` check).
+    """
+    ids = _check_doc_ids(doc_ids)  # (T,) int64
+
+    def document_mask(b, h, q_idx, kv_idx):
+        same = ids[q_idx] == ids[kv_idx]
+        return same & (q_idx >= kv_idx)
+
+    document_mask.num_tokens = len(ids)
+    return document_mask
+
+
+def prefix_lm(prefix_len: int) -> MaskMod:
+    """Every query sees the first ``prefix_len`` keys; causal after them."""
+    prefix = torch.tensor(check_int("prefix_len", prefix_len, minimum=0))
+
+    def prefix_lm_mask(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix) | (q_idx >= kv_idx)
+
+    return prefix_lm_mask
+
+
+# ---------------------------------------------------------------------------
+# score_mods: (score, b, h, q_idx, kv_idx) -> the new score
+
+
+def alibi(num_heads: int) -> ScoreMod:
+    """ALiBi: head h adds slope_h * (j - i) (Press et al. 2022).
+
+    The slopes are :func:`mha.reference.alibi_slopes`: 2^(-8h/H) for
+    h = 1 .. H when H is a power of two. Needs exactly ``num_heads`` heads.
+    """
+    slopes = torch.tensor(reference.alibi_slopes(num_heads))  # (H,) float64
+
+    def alibi_bias(score, b, h, q_idx, kv_idx):
+        bias = slopes[h] * (kv_idx - q_idx)  # 0 on the diagonal, < 0 behind
+        return score + bias.to(score.dtype)
+
+    alibi_bias.num_heads = num_heads
+    return alibi_bias
+
+
+def softcap(cap: float) -> ScoreMod:
+    """cap * tanh(score / cap): every score kept inside (-cap, cap).
+
+    Gemma 2 caps its attention scores at 50 (Gemma Team 2024).
+    """
+    cap = torch.tensor(check_positive("cap", cap))
+
+    def softcap_score(score, b, h, q_idx, kv_idx):
+        limit = cap.to(score.dtype)
+        return limit * torch.tanh(score / limit)
+
+    return softcap_score
+
+
+# ---------------------------------------------------------------------------
+# Masks from mask_mods, and attention through FlexAttention
+
+
+def dense_mask(mask_mod: MaskMod, t_q: int, t_k: int | None = None) -> Tensor:
+    """The mask_mod at every (query, key): a boolean (T_q, T_k) tensor.
+
+    What ``F.scaled_dot_product_attention`` needs as ``attn_mask``: T_q x T_k
+    booleans in memory, read whole by every call.
+    """
+    t_q, t_k = _check_mask_lengths(mask_mod, t_q, t_k)
+    return create_mask(mask_mod, 1, 1, t_q, t_k, device="cpu")[0, 0]
+
+
+def apply_score_mod(score_mod: ScoreMod, scores: Tensor) -> Tensor:
+    """The score_mod at every entry of scores (B, H, T_q, T_k), at once.
+
+    The indices come as broadcasting tensors, b (B, 1, 1, 1), h (1, H, 1, 1),
+    q_idx (1, 1, T_q, 1) and kv_idx (1, 1, 1, T_k): the scores FlexAttention
+    would compute, written out (and differentiable, where its CPU kernel has
+    no backward pass).
+    """
+    if not isinstance(scores, Tensor) or scores.dim() != 4:
+        got = tuple(scores.shape) if isinstance(scores, Tensor) else scores
+        raise ValueError(
+            f"scores must be a (B, H, T_q, T_k) tensor, got {got}"
+        )
+    B, H, t_q, t_k = scores.shape
+    _check_score_heads(score_mod, "scores", scores)
+    index = functools.partial(torch.arange, device=scores.device)
+    return score_mod(
+        scores,
+        index(B).view(B, 1, 1, 1),
+        index(H).view(1, H, 1, 1),
+        index(t_q).view(1, 1, t_q, 1),
+        index(t_k).view(1, 1, 1, t_k),
+    )
+
+
+def block_mask(
+    mask_mod: MaskMod,
+    t_q: int,
+    t_k: int | None = None,
+    *,
+    block_size: int = 128,
+    device: torch.device | str = "cpu",
+) -> BlockMask:
+    """FlexAttention's block mask of ``mask_mod``, one entry per tile.
+
+    The tiles are ``block_size`` queries x ``block_size`` keys; one mask for
+    every batch row and head (``B = H = None`` in ``create_block_mask``).
+    """
+    t_q, t_k = _check_mask_lengths(mask_mod, t_q, t_k)
+    block_size = check_int("block_size", block_size)
+    return create_block_mask(
+        mask_mod, None, None, t_q, t_k, device=device, BLOCK_SIZE=block_size
+    )
+
+
+def flex(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask_mod: MaskMod | None = None,
+    score_mod: ScoreMod | None = None,
+    block_size: int = 128,
+    compiled: bool = True,
+) -> Tensor:
+    """FlexAttention of q (B, H, T_q, d_k), k and v (B, H_kv, T_k, d_k).
+
+    ``H_kv`` may divide ``H`` (query head h reads key/value head h // (H /
+    H_kv)). ``compiled=True`` runs ``torch.compile(flex_attention)``: one
+    fused kernel that skips the empty tiles of the block mask, compiled on
+    the first call for each kind of mask_mod and score_mod, dtype and shape.
+    ``compiled=False`` runs FlexAttention's unfused form, which computes
+    every score and then applies the same functions: the same result, for
+    small checks that should not wait for a compiler. Returns (B, H, T_q,
+    d_k). (torch keeps at most ``torch._dynamo.config.recompile_limit``
+    compiled versions of one function, 8 by default; past them it runs
+    FlexAttention unfused, with a warning.)
+    """
+    _check_flex(q, k, v, score_mod)
+    mask = None
+    if mask_mod is not None:
+        mask = block_mask(
+            mask_mod,
+            q.shape[2],
+            k.shape[2],
+            block_size=block_size,
+            device=q.device,
+        )
+    run = _compiled_flex_attention() if compiled else _unfused_flex_attention
+    return run(
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        block_mask=mask,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+
+
+@functools.cache
+def _compiled_flex_attention() -> Callable[..., Tensor]:
+    return torch.compile(flex_attention)
+
+
+def _unfused_flex_attention(*args, **kwargs) -> Tensor:
+    with warnings.catch_warnings():  # chosen here: no kernel for a check
+        warnings.filterwarnings(
+            "ignore", message="flex_attention called without torch.compile"
+        )
+        return flex_attention(*args, **kwargs)
+
+
+def tile_states(mask: BlockMask) -> NDArray[np.int8]:
+    """What a kernel does with each tile: (query blocks, key blocks).
+
+    0 = skipped (every score masked), 1 = computed whole (no score masked),
+    2 = computed and masked in part: the codes of
+    :func:`mha.flash.tile_schedule`. Batch row 0, head 0.
+    """
+    n_q = mask.kv_num_blocks.shape[-1]
+    n_k = -(-mask.seq_lengths[1] // mask.BLOCK_SIZE[1])  # ceil
+    states = np.zeros((n_q, n_k), dtype=np.int8)
+    for code, counts, indices in (
+        (2, mask.kv_num_blocks, mask.kv_indices),
+        (1, mask.full_kv_num_blocks, mask.full_kv_indices),
+    ):
+        if counts is None:  # a block mask without a list of full tiles
+            continue
+        for row in range(n_q):
+            count = int(counts[0, 0, row])
+            states[row, indices[0, 0, row, :count].numpy()] = code
+    return states
+
+
+# ---------------------------------------------------------------------------
+# Decoding with a sliding window: a cache of `window` slots
+
+
+class RollingKVCache:
+    """Keys and values of the ``window`` newest positions, in a ring.
+
+    Position p lives in slot p % window of (B, H_kv, window, d_k) tensors
+    allocated once (Mistral 7B's rolling buffer cache, Jiang et al. 2023):
+    the memory stays ``window`` positions however long the sequence grows.
+    :meth:`update` writes the new keys and values and returns views of the
+    slots written so far, which are the keys and values the newest query
+    attends to under :func:`sliding_window` (``window``): in slot order, not
+    in time order, which attention does not need, since the positions are in
+    the keys already (RoPE) and one query has nothing to mask. The earlier
+    queries of a chunk of several new tokens see keys that the chunk
+    overwrote: attend a prompt with the sliding-window mask, then decode one
+    token at a time.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        window: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        # The slots and every check are a KVCache's of max_len = window.
+        self._slots = KVCache(
+            batch, window, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+        self.window = window
+        self.seen = 0  # positions written so far, the newest is seen - 1
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, H_kv, T, d_k); return (B, H_kv, <= window, d_k)."""
+        slots = self._slots  # written by index: its own count stays 0
+        shape = _tokens_shape(k, v, self.window)
+        slots.check_update(*shape, k.dtype, k.device, v=v)
+        new = k.shape[2]
+        keep = min(new, self.window)  # older new tokens are out of reach
+        where = torch.arange(self.seen + new - keep, self.seen + new)
+        where = (where % self.window).to(slots.keys.device)  # (keep,) slots
+        slots.keys.index_copy_(2, where, k[:, :, new - keep :])
+        slots.values.index_copy_(2, where, v[:, :, new - keep :])
+        self.seen += new
+        filled = len(self)
+        return slots.keys[:, :, :filled], slots.values[:, :, :filled]
+
+    def __len__(self) -> int:
+        """Positions held: min(positions seen, window)."""
+        return min(self.seen, self.window)
+
+    def reset(self) -> None:
+        """Forget every position (the memory stays allocated)."""
+        self.seen = 0
+
+
+# ---------------------------------------------------------------------------
+# Argument checks
+
+
+def _check_mask_lengths(
+    mask_mod: MaskMod, t_q: int, t_k: int | None
+) -> tuple[int, int]:
+    if not callable(mask_mod):
+        raise TypeError(
+            "mask_mod must be a function (b, h, q_idx, kv_idx) -> bool, "
+            f"got {type(mask_mod).__name__}"
+        )
+    t_q = check_int("t_q", t_q)
+    t_k = t_q if t_k is None else check_int("t_k", t_k)
+    tokens = getattr(mask_mod, "num_tokens", None)  # document's length
+    if tokens is not None and (t_q, t_k) != (tokens, tokens):
+        raise ValueError(
+            f"doc_ids has {tokens} tokens: the document mask needs "
+            f"T_q = T_k = {tokens}, got T_q = {t_q}, T_k = {t_k}"
+        )
+    return t_q, t_k
+
+
+def _check_flex(
+    q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None
+) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(
+                f"{name} must be a floating-point tensor, got {got}"
+            )
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have shape (B, H, T, d_k), got shape "
+                f"{tuple(t.shape)}"
+            )
+    if (
+        k.shape != v.shape
+        or q.shape[0] != k.shape[0]
+        or q.shape[3] != k.shape[3]
+    ):
+        raise ValueError(
+            "k and v must have the same shape (B, H_kv, T_k, d_k), with the B "
+            f"and d_k of q {tuple(q.shape)}, got k {tuple(k.shape)} and "
+            f"v {tuple(v.shape)}"
+        )
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(
+            "q, k and v must have one dtype, got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    check_divisible("num_heads of q", q.shape[1], "num_heads of k", k.shape[1])
+    _check_score_heads(score_mod, "q", q)
+
+
+def _check_score_heads(
+    score_mod: ScoreMod | None, name: str, t: Tensor
+) -> None:
+    heads = getattr(score_mod, "num_heads", None)  # alibi's slopes
+    if heads is not None and heads != t.shape[1]:
+        raise ValueError(
+            f"the alibi score_mod has slopes for {heads} heads, {name} has "
+            f"{t.shape[1]} (shape {tuple(t.shape)})"
+        )
+
+
+def _check_doc_ids(doc_ids: ArrayLike | Tensor) -> Tensor:
+    ids = torch.as_tensor(np.asarray(doc_ids))
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(
+            "doc_ids must be a non-empty 1-D array (T,) of ints, got shape "
+            f"{tuple(ids.shape)}"
+        )
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"doc_ids must be ints, got dtype {ids.dtype}")
+    return ids.long()
+
+
+def _tokens_shape(
+    k: Tensor, v: Tensor, window: int
+) -> tuple[int, int, int, int]:
+    """(B, H_kv, T, d_k) of k and v, T counted as at most ``window``."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(
+                f"{name} must be a (B, H_kv, T, d_k) tensor, got {got}"
+            )
+    if k.shape != v.shape:
+        raise ValueError(
+            "k and v must have the same shape (B, H_kv, T, d_k), got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    batch, heads, new, head_dim = k.shape
+    return batch, heads, min(new, window), head_dim
