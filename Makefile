@@ -17,7 +17,7 @@ export PYDEVD_DISABLE_FILE_VALIDATION := 1
 help:
 	@echo "make book     build the HTML book (executes every chapter, fails on any warning)"
 	@echo "make test     every check: ruff, pytest, nbval on the stored notebooks, the book built from them, built-HTML checks"
-	@echo "make lab      JupyterLab on chapters/ with mha importable"
+	@echo "make lab      JupyterLab on the book (chapters/ first, appendix/) with mha importable"
 	@echo "make refresh  re-execute every notebook in place so its stored outputs are current"
 	@echo "make bench    python -m mha.bench with its defaults on this machine's CPU"
 	@echo "make clean    remove _build and caches (keeps .venv)"
@@ -69,9 +69,12 @@ LAB_ARGS ?=
 lab: $(STAMP)
 	@# the stored outputs are the book's own: trusted, their HTML (the head
 	@# view) is shown with its styles
-	$(BIN)/jupyter trust chapters/*.ipynb
+	$(BIN)/jupyter trust chapters/*.ipynb appendix/*.ipynb
+	@# served from the book's root, so that appendix/ is reachable too; the
+	@# file browser opens on chapters/
 	$(BIN)/jupyter lab --ip=$(LAB_IP) $$([ "$$(id -u)" = 0 ] && echo --allow-root) \
-	  $(LAB_ARGS) chapters
+	  --ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/chapters \
+	  $(LAB_ARGS)
 
 refresh: $(STAMP)
 	for nb in chapters/*.ipynb appendix/*.ipynb; do \

@@ -1,5 +1,6 @@
-"""`make lab` serves the chapters: JupyterLab starts headless (as root too),
-answers on the loopback interface, lists every chapter and starts a kernel.
+"""`make lab` serves the book: JupyterLab starts headless (as root too),
+answers on the loopback interface, opens on chapters/, lists every chapter
+and the appendix's notebooks, and starts a kernel.
 The server runs in its own process group, ended as a whole, within a time
 limit."""
 
@@ -37,23 +38,33 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None  # the 30x comes back as an HTTPError, with its Location
+
+
 class Lab:
     def __init__(self, port: int, token: str, process: subprocess.Popen):
         self.base = f"http://127.0.0.1:{port}"
         self.token = token
         self.process = process
+        self.last_location = ""
 
-    def request(self, path: str, method: str = "GET", token: bool = True) -> tuple[int, bytes]:
+    def request(
+        self, path: str, method: str = "GET", token: bool = True, follow: bool = True
+    ) -> tuple[int, bytes]:
         req = urllib.request.Request(
             f"{self.base}{path}",
             method=method,
             headers={"Authorization": f"token {self.token}"} if token else {},
             data=b"{}" if method == "POST" else None,
         )
+        opener = urllib.request.build_opener(*([] if follow else [_NoRedirect()]))
         try:
-            with urllib.request.urlopen(req, timeout=10) as response:
+            with opener.open(req, timeout=10) as response:
                 return response.status, response.read()
         except urllib.error.HTTPError as error:
+            self.last_location = error.headers.get("Location", "")
             return error.code, error.read()
 
     def json(self, path: str, method: str = "GET"):
@@ -114,11 +125,18 @@ def test_lab_answers_on_loopback(lab):
     assert b"JupyterLab" in body
 
 
-def test_lab_lists_every_chapter(lab):
-    listing = lab.json("/api/contents")
+@pytest.mark.parametrize("folder", ["chapters", "appendix"])
+def test_lab_lists_every_notebook(lab, folder):
+    listing = lab.json(f"/api/contents/{folder}")
     served = sorted(item["name"] for item in listing["content"] if item["type"] == "notebook")
-    chapters = sorted(path.name for path in (ROOT / "chapters").glob("*.ipynb"))
-    assert served == chapters
+    stored = sorted(path.name for path in (ROOT / folder).glob("*.ipynb"))
+    assert stored and served == stored
+
+
+def test_lab_opens_on_the_chapters(lab):
+    status, _ = lab.request("/", follow=False)
+    assert status in (301, 302), status
+    assert lab.last_location.split("?")[0].endswith("/lab/tree/chapters"), lab.last_location
 
 
 def _execute(lab: Lab, kernel_id: str, code: str, timeout: float = 90) -> str:
