@@ -612,18 +612,7 @@ def test_online_softmax_inverted_rescale_named_when_the_start_is_finite():
 
 
 ROOT = Path(__file__).resolve().parents[1]
-# Chapters whose solutions are not folded yet (each is listed by name until it is).
-NOT_FOLDED_YET = {
-    "08_pytorch_module",
-    "09_batched_gpu",
-    "11_positions",
-    "12_decoding_kv_cache",
-    "13_flash_attention",
-    "14_heads_across_processes",
-}
-
-
-FOLDED = [p for p in sorted((ROOT / "chapters").glob("*.ipynb")) if p.stem not in NOT_FOLDED_YET]
+CHAPTERS = sorted((ROOT / "chapters").glob("*.ipynb"))
 
 
 def _solution_cells(path: Path) -> tuple[int, list[tuple[int, dict]]]:
@@ -640,7 +629,7 @@ def _solution_cells(path: Path) -> tuple[int, list[tuple[int, dict]]]:
     return solutions, cells
 
 
-@pytest.mark.parametrize("path", FOLDED, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_solutions_are_folded_in_jupyterlab(path):
     # The book folds a solution into a dropdown; JupyterLab (with jupyterlab-myst) draws the
     # solution-start box but shows the cells after it, unless each is marked hidden.
@@ -661,7 +650,7 @@ def test_solutions_are_folded_in_jupyterlab(path):
 SOLUTION_CODE_WIDTH, SOLUTION_OUTPUT_WIDTH = 74, 75
 
 
-@pytest.mark.parametrize("path", FOLDED, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_solutions_fit_their_dropdown(path):
     wide = []
     for number, cell in _solution_cells(path)[1]:
