@@ -334,7 +334,9 @@ def alibi_slopes(num_heads: int) -> Array:
     """ALiBi's slope of each head, shape (H,) (Press et al. 2022).
 
     For H a power of two: 2^(-8h/H) for h = 1 .. H. Otherwise the slopes of
-    the largest power of two n < H, then every second slope of 2n.
+    the largest power of two n < H, then every second slope of 2n: the rule
+    of the authors' code (and of BLOOM and transformers), not in order; the
+    paper's formula would keep 2^(-8h/H) for every H.
     """
     num_heads = check_int("num_heads", num_heads)
     n = 2 ** int(np.floor(np.log2(num_heads)))  # largest power of 2 <= H

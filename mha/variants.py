@@ -26,6 +26,14 @@ Every parameter (a window, document ids, slopes, a cap) is held as a tensor
 that the function reads, not as a Python number baked into its code, so that
 one compiled kernel serves every window or document layout: a new value is a
 new input, not a recompilation.
+
+``q_idx`` and ``kv_idx`` are *positions* in the sequence, as in transformers'
+mask functions. FlexAttention passes indices 0 .. T_q - 1 and 0 .. T_k - 1;
+with fewer queries than keys (a decoding step, a chunk of a prompt),
+:func:`flex`, :func:`block_mask`, :func:`dense_mask` and
+:func:`apply_score_mod` place the T_q queries at the last positions,
+``q_offset = T_k - T_q`` (bottom-right, as chapters 12 and 13 align causal
+attention), unless ``q_offset`` says where the first query stands.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from torch.nn.attention.flex_attention import (
 )
 
 from . import reference
-from ._validate import check_divisible, check_int, check_positive
+from ._validate import check_divisible, check_int, check_positive, check_scale
 from .decoding import KVCache
 
 __all__ = [
@@ -75,7 +83,7 @@ ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 def causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-    """Query i sees keys j <= i (top-left aligned: indices, not positions)."""
+    """The query at position i sees the keys at positions j <= i."""
     return q_idx >= kv_idx
 
 
@@ -104,20 +112,25 @@ def sink_window(window: int, sinks: int) -> MaskMod:
     return sink_window_mask
 
 
-def document(doc_ids: ArrayLike | Tensor) -> MaskMod:
+def document(
+    doc_ids: ArrayLike | Tensor, *, device: torch.device | str | None = None
+) -> MaskMod:
     """Causal attention within each document of a packed row.
 
     ``doc_ids[t]`` (T ints) names the document of token t; query i sees key j
     when both lie in the same document and j <= i. The mask only fits rows of
-    ``len(doc_ids)`` tokens (:func:`block_mask` and :func:`flex` check).
+    ``len(doc_ids)`` tokens (:func:`block_mask` and :func:`flex` check), and
+    every row of a batch shares it. The ids live on ``device`` (default: the
+    tensor's own, or the CPU), which must be the device of the queries.
     """
-    ids = _check_doc_ids(doc_ids)  # (T,) int64
+    ids = _check_doc_ids(doc_ids, device)  # (T,) int64
 
     def document_mask(b, h, q_idx, kv_idx):
         same = ids[q_idx] == ids[kv_idx]
         return same & (q_idx >= kv_idx)
 
     document_mask.num_tokens = len(ids)
+    document_mask.device = ids.device
     return document_mask
 
 
@@ -135,24 +148,34 @@ def prefix_lm(prefix_len: int) -> MaskMod:
 # score_mods: (score, b, h, q_idx, kv_idx) -> the new score
 
 
-def alibi(num_heads: int) -> ScoreMod:
+def alibi(
+    num_heads: int, *, device: torch.device | str | None = None
+) -> ScoreMod:
     """ALiBi: head h adds slope_h * (j - i) (Press et al. 2022).
 
     The slopes are :func:`mha.reference.alibi_slopes`: 2^(-8h/H) for
-    h = 1 .. H when H is a power of two. Needs exactly ``num_heads`` heads.
+    h = 1 .. H when H is a power of two. Needs exactly ``num_heads`` heads,
+    and a causal mask: ALiBi was made for causal models, and a key ahead of
+    the query (j > i, under :func:`prefix_lm` or no mask) would get a
+    positive bias. The slopes live on ``device`` (default: the CPU), which
+    must be the device of the queries.
     """
-    slopes = torch.tensor(reference.alibi_slopes(num_heads))  # (H,) float64
+    slopes = torch.tensor(reference.alibi_slopes(num_heads), device=device)
 
     def alibi_bias(score, b, h, q_idx, kv_idx):
         bias = slopes[h] * (kv_idx - q_idx)  # 0 on the diagonal, < 0 behind
         return score + bias.to(score.dtype)
 
     alibi_bias.num_heads = num_heads
+    alibi_bias.device = slopes.device
     return alibi_bias
 
 
 def softcap(cap: float) -> ScoreMod:
-    """cap * tanh(score / cap): every score kept inside (-cap, cap).
+    """cap * tanh(score / cap): every score kept within [-cap, cap].
+
+    (Inside (-cap, cap) in exact arithmetic; tanh rounds to 1 in floating
+    point for scores many times the cap.)
 
     Gemma 2 caps its attention scores at 50 (Gemma Team 2024).
     """
@@ -169,23 +192,34 @@ def softcap(cap: float) -> ScoreMod:
 # Masks from mask_mods, and attention through FlexAttention
 
 
-def dense_mask(mask_mod: MaskMod, t_q: int, t_k: int | None = None) -> Tensor:
+def dense_mask(
+    mask_mod: MaskMod,
+    t_q: int,
+    t_k: int | None = None,
+    *,
+    q_offset: int | None = None,
+) -> Tensor:
     """The mask_mod at every (query, key): a boolean (T_q, T_k) tensor.
 
     What ``F.scaled_dot_product_attention`` needs as ``attn_mask``: T_q x T_k
-    booleans in memory, read whole by every call.
+    booleans in memory, read whole by every call. The first query stands at
+    position ``q_offset`` (default T_k - T_q: the queries are the newest).
     """
     t_q, t_k = _check_mask_lengths(mask_mod, t_q, t_k)
+    mask_mod = _queries_at(mask_mod, _offset(q_offset, t_q, t_k))
     return create_mask(mask_mod, 1, 1, t_q, t_k, device="cpu")[0, 0]
 
 
-def apply_score_mod(score_mod: ScoreMod, scores: Tensor) -> Tensor:
+def apply_score_mod(
+    score_mod: ScoreMod, scores: Tensor, *, q_offset: int | None = None
+) -> Tensor:
     """The score_mod at every entry of scores (B, H, T_q, T_k), at once.
 
     The indices come as broadcasting tensors, b (B, 1, 1, 1), h (1, H, 1, 1),
     q_idx (1, 1, T_q, 1) and kv_idx (1, 1, 1, T_k): the scores FlexAttention
     would compute, written out (and differentiable, where its CPU kernel has
-    no backward pass).
+    no backward pass). The first query stands at position ``q_offset``
+    (default T_k - T_q).
     """
     if not isinstance(scores, Tensor) or scores.dim() != 4:
         got = tuple(scores.shape) if isinstance(scores, Tensor) else scores
@@ -194,12 +228,13 @@ def apply_score_mod(score_mod: ScoreMod, scores: Tensor) -> Tensor:
         )
     B, H, t_q, t_k = scores.shape
     _check_score_heads(score_mod, "scores", scores)
+    offset = _offset(q_offset, t_q, t_k)
     index = functools.partial(torch.arange, device=scores.device)
     return score_mod(
         scores,
         index(B).view(B, 1, 1, 1),
         index(H).view(1, H, 1, 1),
-        index(t_q).view(1, 1, t_q, 1),
+        (index(t_q) + offset).view(1, 1, t_q, 1),
         index(t_k).view(1, 1, 1, t_k),
     )
 
@@ -211,17 +246,27 @@ def block_mask(
     *,
     block_size: int = 128,
     device: torch.device | str = "cpu",
+    q_offset: int | None = None,
 ) -> BlockMask:
     """FlexAttention's block mask of ``mask_mod``, one entry per tile.
 
     The tiles are ``block_size`` queries x ``block_size`` keys; one mask for
     every batch row and head (``B = H = None`` in ``create_block_mask``).
+    The first query stands at position ``q_offset`` (default T_k - T_q: the
+    queries are the newest). Build it once and pass it to :func:`flex` as
+    ``block_mask`` for every call with the same mask and lengths: at long T
+    the build can take as long as the attention itself.
     """
     t_q, t_k = _check_mask_lengths(mask_mod, t_q, t_k)
+    _check_device(mask_mod, "mask_mod", torch.device(device))
+    mask_mod = _queries_at(mask_mod, _offset(q_offset, t_q, t_k))
     block_size = check_int("block_size", block_size)
     return create_block_mask(
         mask_mod, None, None, t_q, t_k, device=device, BLOCK_SIZE=block_size
     )
+
+
+_block_mask = block_mask  # flex's argument of the same name hides it
 
 
 def flex(
@@ -231,32 +276,55 @@ def flex(
     *,
     mask_mod: MaskMod | None = None,
     score_mod: ScoreMod | None = None,
+    block_mask: BlockMask | None = None,
+    scale: float | None = None,
+    q_offset: int | None = None,
     block_size: int = 128,
     compiled: bool = True,
 ) -> Tensor:
-    """FlexAttention of q (B, H, T_q, d_k), k and v (B, H_kv, T_k, d_k).
+    """FlexAttention of q (B, H, T_q, d_k), k (B, H_kv, T_k, d_k) and v
+    (B, H_kv, T_k, d_v).
 
     ``H_kv`` may divide ``H`` (query head h reads key/value head h // (H /
-    H_kv)). ``compiled=True`` runs ``torch.compile(flex_attention)``: one
-    fused kernel that skips the empty tiles of the block mask, compiled on
-    the first call for each kind of mask_mod and score_mod, dtype and shape.
+    H_kv)). The mask is ``mask_mod`` (its block mask built here, each call)
+    or a ``block_mask`` built once with :func:`block_mask`; the scores are
+    scaled by ``scale`` (default 1/sqrt(d_k)) before ``score_mod``. The
+    first query stands at position ``q_offset`` (default T_k - T_q: a
+    decoding step's query is the newest position). ``compiled=True`` runs
+    ``torch.compile(flex_attention)``: one fused kernel that skips the
+    empty tiles of the block mask, compiled on the first call for each kind
+    of mask_mod and score_mod, dtype and shape.
     ``compiled=False`` runs FlexAttention's unfused form, which computes
     every score and then applies the same functions: the same result, for
     small checks that should not wait for a compiler. Returns (B, H, T_q,
-    d_k). (torch keeps at most ``torch._dynamo.config.recompile_limit``
+    d_v). (torch keeps at most ``torch._dynamo.config.recompile_limit``
     compiled versions of one function, 8 by default; past them it runs
     FlexAttention unfused, with a warning.)
     """
     _check_flex(q, k, v, score_mod)
-    mask = None
+    t_q, t_k = q.shape[2], k.shape[2]
+    scale = check_scale(scale, q.shape[3])
+    offset = _offset(q_offset, t_q, t_k)
+    if score_mod is not None:
+        _check_device(score_mod, "score_mod", q.device)
+        score_mod = _queries_at(score_mod, offset, score=True)
+    mask = block_mask
     if mask_mod is not None:
-        mask = block_mask(
+        if block_mask is not None:
+            raise ValueError(
+                "pass mask_mod or block_mask, not both: a block mask holds "
+                "its own mask_mod"
+            )
+        mask = _block_mask(
             mask_mod,
-            q.shape[2],
-            k.shape[2],
+            t_q,
+            t_k,
             block_size=block_size,
             device=q.device,
+            q_offset=offset,
         )
+    elif mask is not None:
+        _check_block_mask(mask, t_q, t_k, q.device)
     run = _compiled_flex_attention() if compiled else _unfused_flex_attention
     return run(
         q,
@@ -264,6 +332,7 @@ def flex(
         v,
         score_mod=score_mod,
         block_mask=mask,
+        scale=scale,
         enable_gqa=k.shape[1] != q.shape[1],
     )
 
@@ -299,7 +368,7 @@ def tile_states(mask: BlockMask) -> NDArray[np.int8]:
             continue
         for row in range(n_q):
             count = int(counts[0, 0, row])
-            states[row, indices[0, 0, row, :count].numpy()] = code
+            states[row, indices[0, 0, row, :count].cpu().numpy()] = code
     return states
 
 
@@ -333,7 +402,8 @@ class RollingKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        # The slots and every check are a KVCache's of max_len = window.
+        window = check_int("window", window)
+        # The slots and every other check are a KVCache's, max_len = window.
         self._slots = KVCache(
             batch, window, num_kv_heads, head_dim, dtype=dtype, device=device
         )
@@ -402,13 +472,13 @@ def _check_flex(
                 f"{tuple(t.shape)}"
             )
     if (
-        k.shape != v.shape
+        k.shape[:3] != v.shape[:3]
         or q.shape[0] != k.shape[0]
         or q.shape[3] != k.shape[3]
     ):
         raise ValueError(
-            "k and v must have the same shape (B, H_kv, T_k, d_k), with the B "
-            f"and d_k of q {tuple(q.shape)}, got k {tuple(k.shape)} and "
+            "k must be (B, H_kv, T_k, d_k) and v (B, H_kv, T_k, d_v), with "
+            f"the B and d_k of q {tuple(q.shape)}, got k {tuple(k.shape)} and "
             f"v {tuple(v.shape)}"
         )
     if not q.dtype == k.dtype == v.dtype:
@@ -431,8 +501,69 @@ def _check_score_heads(
         )
 
 
-def _check_doc_ids(doc_ids: ArrayLike | Tensor) -> Tensor:
-    ids = torch.as_tensor(np.asarray(doc_ids))
+def _offset(q_offset: int | None, t_q: int, t_k: int) -> int:
+    """The position of the first query: T_k - T_q unless given."""
+    if q_offset is None:
+        return t_k - t_q
+    # negative only where the default is: more queries than keys
+    return check_int("q_offset", q_offset, minimum=min(0, t_k - t_q))
+
+
+def _queries_at(function, offset: int, *, score: bool = False):
+    """``function`` with each query index moved to its position, + offset."""
+    if offset == 0:
+        return function
+    shift = torch.tensor(offset)  # a tensor, like the variants' parameters
+
+    if score:
+
+        def at_positions(score, b, h, q_idx, kv_idx):
+            return function(score, b, h, q_idx + shift, kv_idx)
+    else:
+
+        def at_positions(b, h, q_idx, kv_idx):
+            return function(b, h, q_idx + shift, kv_idx)
+
+    return at_positions
+
+
+def _check_device(function, name: str, device: torch.device) -> None:
+    """A variant that reads a tensor (doc ids, slopes) needs it on device."""
+    held = getattr(function, "device", None)
+    if held is not None and held.type != device.type:
+        raise ValueError(
+            f"{name} reads a tensor on {held}, the queries are on {device}: "
+            f"build it with device={str(device)!r}"
+        )
+
+
+def _check_block_mask(
+    mask: BlockMask, t_q: int, t_k: int, device: torch.device
+) -> None:
+    if not isinstance(mask, BlockMask):
+        raise TypeError(
+            "block_mask must be a BlockMask (mha.variants.block_mask), got "
+            f"{type(mask).__name__}"
+        )
+    if tuple(mask.seq_lengths) != (t_q, t_k):
+        raise ValueError(
+            f"block_mask was built for T_q, T_k = {tuple(mask.seq_lengths)}, "
+            f"q and k have {t_q}, {t_k}"
+        )
+    if mask.kv_num_blocks.device.type != device.type:
+        raise ValueError(
+            f"block_mask lives on {mask.kv_num_blocks.device}, the queries "
+            f"on {device}"
+        )
+
+
+def _check_doc_ids(
+    doc_ids: ArrayLike | Tensor, device: torch.device | str | None
+) -> Tensor:
+    if isinstance(doc_ids, Tensor):
+        ids = doc_ids.detach().to(device=device)
+    else:
+        ids = torch.as_tensor(np.asarray(doc_ids), device=device)
     if ids.dim() != 1 or ids.numel() == 0:
         raise ValueError(
             "doc_ids must be a non-empty 1-D array (T,) of ints, got shape "

@@ -220,17 +220,22 @@ def test_attention_with_no_score_mod_is_scaled_dot_product_attention(rng) -> Non
 DOC_IDS = np.repeat([0, 1, 2, 3], [40, 17, 80, 63])  # 200 tokens, documents of uneven length
 
 
-def _case(name: str, num_heads: int, t_q: int, t_k: int):
-    """(mask_mod, score_mod, dense mask, NumPy score function) of one variant."""
+def _case(name: str, num_heads: int, t_q: int, t_k: int, offset: int = 0):
+    """(mask_mod, score_mod, dense mask, NumPy score function) of one variant.
+
+    The first query stands at position ``offset`` >= 0: the twin is rows offset ..
+    offset + T_q - 1 of the twin for queries at positions 0 .. offset + T_q - 1.
+    """
+    rows, n = slice(offset, None), offset + t_q
     if name == "sliding_window":
         return (
             variants.sliding_window(37),
             None,
-            reference.sliding_window_mask(t_q, t_k, window=37),
+            reference.sliding_window_mask(n, t_k, window=37)[rows],
             None,
         )
     if name == "sink_window":
-        twin = reference.sink_window_mask(t_q, t_k, window=37, sinks=5)
+        twin = reference.sink_window_mask(n, t_k, window=37, sinks=5)[rows]
         return variants.sink_window(37, 5), None, twin, None
     if name == "document":
         return variants.document(DOC_IDS), None, reference.document_mask(DOC_IDS), None
@@ -238,15 +243,15 @@ def _case(name: str, num_heads: int, t_q: int, t_k: int):
         return (
             variants.prefix_lm(45),
             None,
-            reference.prefix_lm_mask(t_q, t_k, prefix_len=45),
+            reference.prefix_lm_mask(n, t_k, prefix_len=45)[rows],
             None,
         )
     if name == "alibi":
-        bias = reference.alibi_bias(num_heads, t_q, t_k)
+        bias = reference.alibi_bias(num_heads, n, t_k)[:, rows]
         return (
             variants.causal,
             variants.alibi(num_heads),
-            reference.causal_mask(t_q, t_k),
+            reference.causal_mask(n, t_k)[rows],
             lambda s: s + bias,
         )
     if name == "softcap":
@@ -277,8 +282,8 @@ SHAPES = [  # H, H_kv, T_q, T_k, d_k
     (4, 4, 200, 200, 32),
     (4, 2, 200, 200, 59),  # GQA, an odd head size
     (2, 1, 200, 200, 111),  # MQA
-    (3, 3, 130, 200, 64),  # T_q != T_k
-    (2, 2, 200, 150, 128),
+    (3, 3, 130, 200, 64),  # T_q < T_k: the queries are the newest 130 positions
+    (2, 2, 200, 150, 128),  # T_q > T_k, with q_offset=0: queries at positions 0 .. 199
     (2, 2, 200, 200, 256),
 ]
 
@@ -294,9 +299,13 @@ SHAPES = [  # H, H_kv, T_q, T_k, d_k
     ],
 )
 def test_unfused_flex_equals_the_twin(name, H, H_kv, t_q, t_k, d) -> None:
-    mask_mod, score_mod, mask, score_fn = _case(name, H, t_q, t_k)
+    q_offset = 0 if t_q > t_k else None  # default: T_k - T_q
+    offset = t_k - t_q if q_offset is None else q_offset
+    mask_mod, score_mod, mask, score_fn = _case(name, H, t_q, t_k, offset)
     q, k, v = _inputs(2, H, H_kv, t_q, t_k, d, scale=2.0)
-    out = variants.flex(q, k, v, mask_mod=mask_mod, score_mod=score_mod, compiled=False)
+    out = variants.flex(
+        q, k, v, mask_mod=mask_mod, score_mod=score_mod, q_offset=q_offset, compiled=False
+    )
     np.testing.assert_allclose(out.numpy(), _twin(q, k, v, mask, score_fn), rtol=0, atol=1e-12)
 
 
@@ -323,7 +332,8 @@ def test_compiled_sliding_window_gqa_uneven_lengths() -> None:
     # GQA, T_q != T_k (neither a multiple of the 128-token tile), an odd head size.
     q, k, v = _inputs(2, 4, 2, 150, 290, 59, dtype=torch.float32)
     out = variants.flex(q, k, v, mask_mod=variants.sliding_window(100))
-    mask = reference.sliding_window_mask(150, 290, window=100)
+    # the 150 queries are the newest positions, 140 .. 289
+    mask = reference.sliding_window_mask(290, 290, window=100)[140:]
     np.testing.assert_allclose(out.numpy(), _twin(q, k, v, mask, None), rtol=0, atol=2e-6)
 
 
@@ -354,13 +364,23 @@ def test_compiled_16_bit_within_sdpas_error(dtype) -> None:
 
 
 def test_dense_mask_is_the_twin() -> None:
+    # 9 queries, 12 keys: by default the queries are the newest positions, 3 .. 11 (the
+    # causal rows aligned bottom-right, as reference.causal_mask(align="bottom-right"));
+    # with q_offset=0 they are positions 0 .. 8, where the twins put them.
+    assert np.array_equal(
+        reference.causal_mask(12, 12)[3:], reference.causal_mask(9, 12, align="bottom-right")
+    )
     for mask_mod, twin in [
-        (variants.causal, reference.causal_mask(9, 12)),
-        (variants.sink_window(3, 2), reference.sink_window_mask(9, 12, window=3, sinks=2)),
-        (variants.sliding_window(4), reference.sliding_window_mask(9, 12, window=4)),
-        (variants.prefix_lm(5), reference.prefix_lm_mask(9, 12, prefix_len=5)),
+        (variants.causal, reference.causal_mask(12, 12)),
+        (variants.sink_window(3, 2), reference.sink_window_mask(12, 12, window=3, sinks=2)),
+        (variants.sliding_window(4), reference.sliding_window_mask(12, 12, window=4)),
+        (variants.prefix_lm(5), reference.prefix_lm_mask(12, 12, prefix_len=5)),
     ]:
-        np.testing.assert_array_equal(variants.dense_mask(mask_mod, 9, 12).numpy(), twin)
+        np.testing.assert_array_equal(variants.dense_mask(mask_mod, 9, 12).numpy(), twin[3:])
+        newest_two = variants.dense_mask(mask_mod, 2, 12, q_offset=10).numpy()
+        np.testing.assert_array_equal(newest_two, twin[10:])
+        first = variants.dense_mask(mask_mod, 9, 12, q_offset=0).numpy()
+        np.testing.assert_array_equal(first, twin[:9])
     doc = variants.dense_mask(variants.document(DOC_IDS), 200)
     np.testing.assert_array_equal(doc.numpy(), reference.document_mask(DOC_IDS))
 
@@ -389,7 +409,8 @@ def _tiles_of(mask: np.ndarray, block: int) -> np.ndarray:
 def test_tile_states_read_from_the_dense_mask(mask_mod, twin) -> None:
     if twin is None:
         twin = reference.document_mask(np.repeat([0, 1, 2], [300, 500, 224]))
-    states = variants.tile_states(variants.block_mask(mask_mod, *twin.shape))
+    # the twins put the first query at position 0 (for the 1000 x 700 one too)
+    states = variants.tile_states(variants.block_mask(mask_mod, *twin.shape, q_offset=0))
     np.testing.assert_array_equal(states, _tiles_of(twin, 128))
 
 
@@ -407,6 +428,10 @@ def test_score_mods_applied_densely_equal_the_twins() -> None:
     scores = randn(2, 4, 9, 13, seed=5) * 30
     np.testing.assert_array_equal(
         variants.apply_score_mod(variants.alibi(4), torch.zeros(1, 4, 9, 13)).numpy(),
+        reference.alibi_bias(4, 13, 13)[None, :, 4:].astype(np.float32),  # the newest 9
+    )
+    np.testing.assert_array_equal(
+        variants.apply_score_mod(variants.alibi(4), torch.zeros(1, 4, 9, 13), q_offset=0),
         reference.alibi_bias(4, 9, 13)[None].astype(np.float32),
     )
     np.testing.assert_allclose(
@@ -522,7 +547,7 @@ def test_rolling_cache_reset_and_views() -> None:
         (lambda: reference.document_mask([0.5]), TypeError, "doc_ids must be an array of ints"),
         (lambda: reference.softcap([1.0], 0), ValueError, "cap must be a positive finite float"),
         (lambda: reference.prefix_lm_mask(4, prefix_len=-2), ValueError, "prefix_len must be"),
-        (lambda: variants.RollingKVCache(1, 0, 1, 2), ValueError, "max_len must be a positive"),
+        (lambda: variants.RollingKVCache(1, 0, 1, 2), ValueError, "window must be a positive"),
     ],
 )
 def test_bad_arguments(call, error, words) -> None:
@@ -546,7 +571,7 @@ def test_flex_input_errors() -> None:
         variants.flex(q[0], q, q)
     with pytest.raises(TypeError, match="k must be a floating-point tensor, got torch.int64"):
         variants.flex(q, q.long(), q)
-    with pytest.raises(ValueError, match="k and v must have the same shape"):
+    with pytest.raises(ValueError, match=r"k must be \(B, H_kv, T_k, d_k\) and v \(B, H_kv"):
         variants.flex(q, q, q[:, :, :8])
     with pytest.raises(
         ValueError, match=r"num_heads of q \(4\) must be divisible by num_heads of k \(3\)"
@@ -659,3 +684,87 @@ def test_variants_benchmark_bad_arguments() -> None:
         bench_variants.run_variants_benchmark(window=0, quiet=True)
     with pytest.raises(ValueError, match="each of seq_lens must be a positive int"):
         bench_variants.run_variants_benchmark(seq_lens=(0,), quiet=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fewer queries than keys, a block mask built once, the scale, d_v, the device of a variant
+
+
+@pytest.mark.parametrize(
+    "mask_mod",
+    [
+        variants.causal,
+        variants.sliding_window(5),
+        variants.sink_window(5, 2),
+        variants.prefix_lm(7),
+    ],
+    ids=["causal", "sliding_window", "sink_window", "prefix_lm"],
+)
+@pytest.mark.parametrize("with_alibi", [False, True], ids=["", "alibi"])
+@pytest.mark.parametrize("t_q", [1, 6])
+def test_fewer_queries_are_the_newest_positions(mask_mod, with_alibi, t_q) -> None:
+    # A decoding step (T_q = 1) or a chunk of a prompt (T_q = 6) after 20 - T_q earlier tokens:
+    # its outputs are the last T_q rows of attention over the whole sequence.
+    q, k, v = _inputs(2, 2, 1, 20, 20, 8)
+    score_mod = variants.alibi(2) if with_alibi else None
+    whole = variants.flex(q, k, v, mask_mod=mask_mod, score_mod=score_mod, compiled=False)
+    step = variants.flex(
+        q[:, :, -t_q:], k, v, mask_mod=mask_mod, score_mod=score_mod, compiled=False
+    )
+    torch.testing.assert_close(step, whole[:, :, -t_q:], rtol=0, atol=1e-12)
+
+
+@pytest.mark.usefixtures("fresh_compiler")
+def test_compiled_decoding_step_under_a_sliding_window() -> None:
+    q, k, v = _inputs(1, 4, 2, 1, 300, 64, dtype=torch.float32)
+    out = variants.flex(q, k, v, mask_mod=variants.sliding_window(100))
+    # the query is position 299: it sees keys 200 .. 299
+    mask = reference.sliding_window_mask(300, 300, window=100)[-1:]
+    np.testing.assert_allclose(out.numpy(), _twin(q, k, v, mask, None), rtol=0, atol=2e-6)
+
+
+def test_flex_with_a_block_mask_built_once() -> None:
+    q, k, v = _inputs(1, 2, 2, 20, 20, 8)
+    window = variants.sliding_window(5)
+    built = variants.block_mask(window, 20, 20, block_size=8)
+    once = variants.flex(q, k, v, block_mask=built, compiled=False)
+    each = variants.flex(q, k, v, mask_mod=window, block_size=8, compiled=False)
+    torch.testing.assert_close(once, each, rtol=0, atol=0)
+    twin = _twin(q, k, v, reference.sliding_window_mask(20, window=5), None)
+    np.testing.assert_allclose(once.numpy(), twin, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="mask_mod or block_mask, not both"):
+        variants.flex(q, k, v, mask_mod=window, block_mask=built, compiled=False)
+    with pytest.raises(ValueError, match=r"built for T_q, T_k = \(20, 20\), q and k have 6, 20"):
+        variants.flex(q[:, :, :6], k, v, block_mask=built, compiled=False)
+    with pytest.raises(TypeError, match="block_mask must be a BlockMask"):
+        variants.flex(q, k, v, block_mask=np.ones((20, 20), bool), compiled=False)
+
+
+def test_flex_scale_and_a_value_width_of_its_own() -> None:
+    # Gemma 2 scales its scores by query_pre_attn_scalar^-1/2, not d_k^-1/2; d_v may differ.
+    q, k, _ = _inputs(2, 4, 2, 12, 12, 16)
+    v = randn(2, 2, 12, 5, seed=9)
+    out = variants.flex(
+        q, k, v, mask_mod=variants.causal, score_mod=variants.softcap(2.0), scale=0.3,
+        compiled=False,
+    )  # fmt: skip
+    k_rep, v_rep = (t.repeat_interleave(2, dim=1).numpy() for t in (k, v))
+    expected = reference.attention_with_score_mod(
+        q.numpy(), k_rep, v_rep, reference.causal_mask(12),
+        score_mod=lambda s: reference.softcap(s, 2.0), scale=0.3,
+    )[0]  # fmt: skip
+    assert out.shape == (2, 4, 12, 5)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="scale must be a positive finite float"):
+        variants.flex(q, k, v, scale=0.0, compiled=False)
+
+
+def test_a_variant_reading_a_tensor_names_its_device() -> None:
+    q = torch.zeros(1, 4, 16, 8)
+    assert variants.alibi(4, device="meta").device.type == "meta"
+    with pytest.raises(ValueError, match=r"score_mod reads a tensor on meta, the queries are on"):
+        variants.flex(q, q, q, score_mod=variants.alibi(4, device="meta"), compiled=False)
+    ids = torch.tensor(np.repeat([0, 1], [6, 10]))
+    assert variants.document(ids).device == ids.device  # a tensor stays where it is
+    with pytest.raises(ValueError, match=r"mask_mod reads a tensor on meta.*device='cpu'"):
+        variants.flex(q, q, q, mask_mod=variants.document(ids, device="meta"), compiled=False)
