@@ -335,6 +335,13 @@ def _check_attn_mask(
     if cache is not None and cache.max_len is not None:
         widths.add(cache.max_len)
     shape = tuple(attn_mask.shape)
+    if len(shape) == 2 and B > 1 and shape[0] == B == t_q:
+        raise ValueError(
+            f"attn_mask of shape {shape} cannot be read: a 2-D mask is "
+            f"(T, T_k), but with B = T = {B} it could be a (B, T_k) padding "
+            "mask (transformers' attention_mask); pass (1, 1, T, T_k) or "
+            "(B, 1, 1, T_k)"
+        )
     fits = (
         2 <= len(shape) <= 4
         and shape[-1] in widths
@@ -385,9 +392,13 @@ def _config_fields(config: object) -> dict:
         )
     fields["attention_bias"] = bool(get("attention_bias", False))
     fields["attention_dropout"] = float(get("attention_dropout", 0.0) or 0.0)
-    parameters = get("rope_parameters")
-    if parameters is None:  # only a base: transformers' default rope
-        parameters = {"rope_theta": get("rope_theta", 10000.0)}
+    # transformers 5 writes rope_parameters; transformers 4 and checkpoints'
+    # config.json write rope_scaling beside a top-level rope_theta
+    parameters = get("rope_parameters") or get("rope_scaling") or {}
+    parameters = dict(parameters)
+    if "type" in parameters and "rope_type" not in parameters:  # older key
+        parameters["rope_type"] = parameters.pop("type")
+    parameters.setdefault("rope_theta", get("rope_theta") or 10000.0)
     fields["rope"] = Rope.from_parameters(
         parameters, max_position_embeddings=get("max_position_embeddings")
     )
@@ -915,6 +926,14 @@ class Decoder(nn.Module):
                 f"caches must hold one cache per layer ({self.num_layers}), "
                 f"got {len(caches)}"
             )
+        if caches is not None and not torch.compiler.is_compiling():
+            # every cache before the first layer writes: none half-written
+            attn, weight = self.attns[0], self.head.weight
+            for cache in caches:
+                cache.check_update(
+                    tokens.shape[0], attn.num_kv_heads, tokens.shape[1],
+                    attn.head_dim, weight.dtype, weight.device,
+                )  # fmt: skip
         x = self.embed(tokens)  # (B, T, D)
         for i, attn in enumerate(self.attns):
             cache = None if caches is None else caches[i]

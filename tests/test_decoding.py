@@ -639,3 +639,31 @@ def test_train_decoder_lowers_the_loss_and_evaluate_matches_a_direct_count() -> 
     )
     with pytest.raises(TypeError, match="steps must be an int"):
         train_decoder(model, steps=2.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs that could be read two ways, and a model's caches checked before any is written
+
+
+def test_a_two_dimensional_mask_that_could_be_a_padding_mask_is_refused() -> None:
+    # transformers' attention_mask is (B, T_k); with B = T it has the shape of a (T, T_k) mask.
+    layer = make_layer(2)
+    x = randn(3, 3, D, seed=4)
+    real = torch.tensor([[True, True, True], [False, True, True], [False, False, True]])
+    with pytest.raises(ValueError, match=r"\(3, 3\) cannot be read.*\(B, 1, 1, T_k\)"):
+        layer(x, attn_mask=real)
+    by_row = layer(x, attn_mask=real[:, None, None, :])  # (B, 1, 1, T_k): padding per row
+    as_rows = layer(x, attn_mask=real[None, None])  # (1, 1, T, T_k): one mask for every row
+    assert (by_row - as_rows).abs().max() > 1e-3  # the two readings differ
+    layer(x[:1], attn_mask=real)  # B = 1: a 2-D mask is (T, T_k), nothing else
+
+
+def test_decoder_checks_every_cache_before_writing_any() -> None:
+    model = small_decoder(2)
+    tokens = torch.randint(0, 13, (2, 6), generator=torch.Generator().manual_seed(3))
+    caches = model.new_caches(2, 9)
+    dtype = model.head.weight.dtype
+    caches[1] = KVCache(2, 5, model.num_kv_heads, model.attns[0].head_dim, dtype=dtype)
+    with pytest.raises(ValueError, match="max_len"):
+        model(tokens, caches=caches)
+    assert [len(cache) for cache in caches] == [0, 0]  # nothing half-written

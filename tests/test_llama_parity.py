@@ -251,3 +251,23 @@ def test_left_padded_batch_equals_llama_attention_with_position_ids() -> None:
     torch.testing.assert_close(actual[0, 3:], expected[0, 3:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(actual[1], expected[1], rtol=1e-5, atol=1e-5)
     assert not actual.isnan().any()
+
+
+def test_from_config_reads_a_transformers_4_configuration() -> None:
+    # config.json of a checkpoint (and transformers 4) writes rope_scaling beside a top-level
+    # rope_theta; transformers 5's LlamaConfig turns them into rope_parameters.
+    fields = {"hidden_size": 64, "num_attention_heads": 8, "max_position_embeddings": 8192}
+    for rope_type in ("linear", "llama3", "yarn"):
+        scaling = dict(ROPE_PARAMETERS[rope_type])
+        theta = scaling.pop("rope_theta")
+        legacy = {**fields, "rope_theta": theta, "rope_scaling": scaling}
+        ours = GroupedQueryAttention.from_config(legacy)
+        theirs = GroupedQueryAttention.from_config(LlamaConfig(**legacy))
+        assert ours.rope.rope_type == rope_type and ours.rope == theirs.rope
+    oldest = {**fields, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    assert GroupedQueryAttention.from_config(oldest).rope == (
+        GroupedQueryAttention.from_config(LlamaConfig(**oldest)).rope
+    )
+    # rope_parameters without a base: the top-level rope_theta
+    split = {**fields, "rope_theta": 5e5, "rope_parameters": {"rope_type": "default"}}
+    assert GroupedQueryAttention.from_config(split).rope_base == 5e5
