@@ -271,3 +271,29 @@ def test_from_config_reads_a_transformers_4_configuration() -> None:
     # rope_parameters without a base: the top-level rope_theta
     split = {**fields, "rope_theta": 5e5, "rope_parameters": {"rope_type": "default"}}
     assert GroupedQueryAttention.from_config(split).rope_base == 5e5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rope_type", ["llama3", "yarn"])
+def test_from_config_equals_llama_attention_in_16_bits(rope_type: str, dtype) -> None:
+    # A prompt, single tokens and a chunk after a cache, far past the original context, with
+    # weights and activations in 16 bits. Both compute the rotary angles in float32.
+    config = scaled_config(rope_type, num_kv_heads=2)
+    torch.manual_seed(5)
+    theirs = LlamaAttention(config, layer_idx=0).eval().to(dtype)
+    ours = GroupedQueryAttention.from_config(config).eval().to(dtype)
+    ours.load_state_dict(theirs.state_dict())
+    rotary = LlamaRotaryEmbedding(config)
+    x = randn(2, 10, 128, seed=6, dtype=torch.float32).to(dtype)
+    their_cache = DynamicCache(config=config)
+    cache = KVCache(2, 10, 2, 32, dtype=dtype)
+    positions = torch.arange(9000, 9010)
+    tol = {torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]  # a few roundings
+    with torch.no_grad():
+        for start, end in [(0, 6), (6, 7), (7, 8), (8, 10)]:
+            chunk, at = x[:, start:end], positions[start:end]
+            mask = additive_causal(end - start, end).to(dtype) if end - start > 1 else None
+            expected, _ = theirs(chunk, rotary(chunk, at[None]), mask, past_key_values=their_cache)
+            actual = ours(chunk, cache=cache, positions=at)
+            assert actual.dtype == dtype
+            torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
