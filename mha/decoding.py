@@ -186,12 +186,12 @@ class GroupedQueryAttention(nn.Module):
     ) -> Tensor:
         """x (B, T, D) -> (B, T, D), attending to the cache (if any) and x.
 
-        ``positions`` (T,) or (B, T) ints, for RoPE: by default ``len(cache)``
-        onwards (0 without a cache); (B, T) lets each row continue its own
-        positions (a left-padded batch). ``attn_mask``: boolean,
-        broadcastable to (B, H, T, T_k), ``True`` = may attend, with ``T_k``
-        the cached and new positions, or the cache's ``max_len``; combined
-        with the causal mask when ``is_causal``.
+        ``positions`` (T,), (1, T) or (B, T) ints, for RoPE: by default
+        ``len(cache)`` onwards (0 without a cache); (B, T) lets each row
+        continue its own positions (a left-padded batch). ``attn_mask``:
+        boolean, broadcastable to (B, H, T, T_k), ``True`` = may attend, with
+        ``T_k`` the cached and new positions, or the cache's ``max_len``;
+        combined with the causal mask when ``is_causal``.
         """
         self._check_forward(x, positions, cache, attn_mask)
         d_k, T = self.head_dim, x.shape[1]
@@ -308,9 +308,9 @@ def _check_layer_positions(
             "positions (rope_base=None)"
         )
     check_tensor("positions", positions, kind="integer")
-    if tuple(positions.shape) not in ((T,), (B, T)):
+    if tuple(positions.shape) not in ((T,), (1, T), (B, T)):
         raise ValueError(
-            f"positions must have shape (T,) = ({T},) or (B, T) = "
+            f"positions must have shape (T,) = ({T},), (1, T) or (B, T) = "
             f"({B}, {T}), got shape {tuple(positions.shape)}"
         )
     if not torch.compiler.is_compiling() and positions.numel():

@@ -306,9 +306,9 @@ def apply_rope(
 ) -> Tensor:
     """RoPE: rotate queries or keys ``x`` (B, H, T, d_k) by their positions.
 
-    ``positions``: (T,) for every sequence alike, or (B, T). Dimension ``i``
-    and dimension ``i + d_k / 2`` of each head form a pair, turned by the
-    angle of :func:`rope_angles` (the "rotate half" layout of
+    ``positions``: (T,) or (1, T) for every sequence alike, or (B, T).
+    Dimension ``i`` and dimension ``i + d_k / 2`` of each head form a pair,
+    turned by the angle of :func:`rope_angles` (the "rotate half" layout of
     ``transformers``' Llama code). Rotations keep lengths, and
     ``R(a)^T R(b) = R(b - a)``: the score of a rotated query and key depends
     on ``b - a`` only. ``base``: a number, or a :class:`Rope` with scaling.
@@ -400,7 +400,8 @@ def _check_base(base: object) -> float | Rope:
 
 
 def _check_rope(x: object, positions: object, base: object) -> None:
-    """x: (B, H, T, d_k) floats with d_k even; positions: (T,) or (B, T)."""
+    """x: (B, H, T, d_k) floats with d_k even; positions: (T,), (1, T) or
+    (B, T)."""
     check_tensor("x", x, ndim=4, shape="(B, H, T, d_k)")
     B, _, T, d_k = x.shape
     if d_k % 2:
@@ -409,9 +410,9 @@ def _check_rope(x: object, positions: object, base: object) -> None:
             f"(dimension i turns with i + d_k/2), got d_k = {d_k}"
         )
     check_tensor("positions", positions, kind="integer")
-    if tuple(positions.shape) not in ((T,), (B, T)):
+    if tuple(positions.shape) not in ((T,), (1, T), (B, T)):
         raise ValueError(
-            f"positions must have shape (T,) = ({T},) or (B, T) = ({B}, {T}), "
-            f"got shape {tuple(positions.shape)}"
+            f"positions must have shape (T,) = ({T},), (1, T) or (B, T) = "
+            f"({B}, {T}), got shape {tuple(positions.shape)}"
         )
     _check_base(base)

@@ -25,6 +25,7 @@ from mha.decoding import (
     left_pad,
 )
 from mha.functional import causal_mask, grouped_query_state_dict
+from mha.positions import apply_rope
 
 from helpers import randn
 
@@ -667,3 +668,15 @@ def test_decoder_checks_every_cache_before_writing_any() -> None:
     with pytest.raises(ValueError, match="max_len"):
         model(tokens, caches=caches)
     assert [len(cache) for cache in caches] == [0, 0]  # nothing half-written
+
+
+def test_positions_of_shape_one_by_t_serve_every_row() -> None:
+    # transformers' position_ids are often (1, T), the same for every row of the batch.
+    layer = make_layer(2, rope_base=10000.0)
+    x = randn(3, 5, D, seed=8)
+    shared = torch.arange(7, 12)
+    expected = layer(x, positions=shared)
+    assert_close(layer(x, positions=shared[None]), expected)
+    assert_close(layer(x, positions=shared.expand(3, 5)), expected)
+    q = randn(3, 2, 5, 6, seed=9)
+    assert_close(apply_rope(q, shared[None]), apply_rope(q, shared))
