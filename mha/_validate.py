@@ -27,6 +27,7 @@ __all__ = [
     "check_choice",
     "check_tensor",
     "check_same",
+    "check_positions",
     "check_positive",
     "shape_text",
 ]
@@ -176,3 +177,15 @@ def check_same(names: str, tensors: tuple[Any, ...]) -> None:
             f"{names} must be on one device, got "
             f"{', '.join(map(str, devices))}"
         )
+
+
+def check_positions(positions: object, batch: int, length: int) -> Any:
+    """Integer positions for ``length`` tokens: (T,) or (1, T) for every row
+    alike, or (B, T), one row each."""
+    check_tensor("positions", positions, kind="integer")
+    if tuple(positions.shape) not in ((length,), (1, length), (batch, length)):
+        raise ValueError(
+            f"positions must have shape (T,) = ({length},), (1, T) or (B, T) "
+            f"= ({batch}, {length}), got shape {tuple(positions.shape)}"
+        )
+    return positions

@@ -39,8 +39,8 @@ from ._validate import (
     check_choice,
     check_divisible,
     check_int,
+    check_positions,
     check_probability,
-    check_tensor,
 )
 from .functional import (
     causal_mask,
@@ -307,12 +307,7 @@ def _check_layer_positions(
             "positions were given, but the layer has no rotary "
             "positions (rope_base=None)"
         )
-    check_tensor("positions", positions, kind="integer")
-    if tuple(positions.shape) not in ((T,), (1, T), (B, T)):
-        raise ValueError(
-            f"positions must have shape (T,) = ({T},), (1, T) or (B, T) = "
-            f"({B}, {T}), got shape {tuple(positions.shape)}"
-        )
+    check_positions(positions, B, T)
     if not torch.compiler.is_compiling() and positions.numel():
         if int(positions.min()) < 0:
             raise ValueError(

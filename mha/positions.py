@@ -34,7 +34,13 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from ._validate import check_choice, check_float, check_int, check_tensor
+from ._validate import (
+    check_choice,
+    check_float,
+    check_int,
+    check_positions,
+    check_tensor,
+)
 
 __all__ = [
     "sinusoidal_positions",
@@ -409,10 +415,5 @@ def _check_rope(x: object, positions: object, base: object) -> None:
             "the head width d_k (last axis of x) must be even for RoPE "
             f"(dimension i turns with i + d_k/2), got d_k = {d_k}"
         )
-    check_tensor("positions", positions, kind="integer")
-    if tuple(positions.shape) not in ((T,), (1, T), (B, T)):
-        raise ValueError(
-            f"positions must have shape (T,) = ({T},), (1, T) or (B, T) = "
-            f"({B}, {T}), got shape {tuple(positions.shape)}"
-        )
+    check_positions(positions, B, T)
     _check_base(base)
