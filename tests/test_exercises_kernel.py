@@ -1,0 +1,208 @@
+"""check_flash_attention: right kernels pass, each known mistake, written as a kernel, is named.
+
+The kernels run in Triton's interpreter (mha.kernels chooses it where there is no GPU). The right
+kernels: the book's (mha.kernels) and tests/learner_kernels.py's (exp2, its own launcher, other
+tiles); the mistakes: that kernel with one mistake switched on, and for the backward pass a torch
+autograd.Function whose backward ignores causal, as Triton's tutorial did (issue #4541).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from mha import kernels, reference
+
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.skipif(not kernels.TRITON_AVAILABLE, reason="triton is not installed"),
+]
+
+if kernels.TRITON_AVAILABLE:
+    from mha.exercises import failure
+    from mha.exercises_kernel import (
+        BACKWARD_ITEMS,
+        FORWARD_ITEMS,
+        TOLERANCE,
+        check_flash_attention,
+        dense,
+    )
+    from mha.kernels.attention import attention_forward
+
+    from learner_kernels import MISTAKES, learner_attention
+else:  # collected, then skipped
+    MISTAKES = ()
+
+
+def book_forward(q, k, v, causal):
+    return attention_forward(q, k, v, causal=causal)
+
+
+def book_autograd(q, k, v, causal):
+    return kernels.triton_attention(q, k, v, causal=causal)
+
+
+def _numpy_reference(q, k, v, causal):
+    """Float64 attention by mha.reference, k and v repeated per query head."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (t.double().numpy() for t in (q, k, v))
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    mask = None
+    if causal:
+        mask = reference.causal_mask(q.shape[2], k.shape[2], align="bottom-right")
+    return reference.scaled_dot_product_attention(q, k, v, mask)[0]
+
+
+def _largest_error(fn, cases) -> float:
+    worst = 0.0
+    for index, case in enumerate(cases):
+        q, k, v = case.inputs(index)
+        out = fn(q, k, v, case.causal)[0].double().numpy()
+        expected = _numpy_reference(q, k, v, case.causal)
+        worst = max(worst, float(np.max(np.abs(out - expected) / (1 + np.abs(expected)))))
+    return worst
+
+
+ALL_CASES = [case for _, cases in FORWARD_ITEMS for case in cases] if MISTAKES else []
+
+
+def test_the_reference_is_mha_reference():
+    for index, case in enumerate(ALL_CASES):
+        q, k, v = case.inputs(index)
+        out, lse = dense(q.double(), k.double(), v.double(), causal=case.causal)
+        np.testing.assert_allclose(
+            out.numpy(), _numpy_reference(q, k, v, case.causal), rtol=1e-12, atol=1e-12
+        )
+        assert lse.shape == q.shape[:3]
+
+
+def test_the_tolerance_is_set_from_the_books_kernel():
+    book = _largest_error(book_forward, ALL_CASES)
+    assert 0 < book and 5 * book <= TOLERANCE <= 30 * book, (book, TOLERANCE)
+    float16_acc = functools.partial(learner_attention, mistake="float16_acc")
+    assert _largest_error(float16_acc, ALL_CASES) > 10 * TOLERANCE
+
+
+def test_the_books_kernel_passes_forward_and_backward(capsys):
+    check_flash_attention(book_forward)
+    printed = capsys.readouterr().out
+    assert f"all {len(FORWARD_ITEMS)} items pass" in printed
+    assert "logsumexp was checked" in printed
+    assert check_flash_attention(book_autograd, backward=True, verbose=False) is None
+
+
+@pytest.mark.parametrize("tiles", [(32, 32), (16, 64)])
+def test_a_right_kernel_written_another_way_passes(tiles):
+    block_q, block_k = tiles
+    fn = functools.partial(learner_attention, block_q=block_q, block_k=block_k)
+    assert check_flash_attention(fn, verbose=False) is None
+
+
+# mistake -> (the item that fails, words its message must hold)
+NAMED = {
+    "no_rescale": (2, "acc and ell were not rescaled"),
+    "top_left": (6, "aligned top-left"),
+    "tail_unmasked": (1, "key tail is not masked"),
+    "gqa_modulo": (8, "h % H_kv"),
+    "no_scale": (1, "not divided by sqrt(d)"),
+    "exp2_no_log2e": (1, "exp2 was used without the log2(e) factor"),
+    "float16_acc": (1, "kept in float16"),
+    "nan_empty_row": (7, "see no key are NaN"),
+    "lse_base2": (1, "logsumexp is in base 2"),
+}
+
+
+def test_every_mistake_has_a_test():
+    assert set(NAMED) == set(MISTAKES)
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_a_mistake_is_named(mistake):
+    item, words = NAMED[mistake]
+    message = failure(check_flash_attention, functools.partial(learner_attention, mistake=mistake))
+    total = len(FORWARD_ITEMS)
+    assert message is not None and message.startswith(
+        f"check_flash_attention: item {item} of {total} failed"
+    ), message
+    assert words in " ".join(message.split()), message
+
+
+def test_the_key_tail_is_named_with_tiles_smaller_than_the_keys():
+    # T_k = 16 fills one tile of 16: the tail shows first at T_k = 111 (item 3)
+    fn = functools.partial(learner_attention, mistake="tail_unmasked", block_q=16, block_k=16)
+    message = failure(check_flash_attention, fn)
+    assert message.startswith("check_flash_attention: item 3 of"), message
+    assert "key tail is not masked" in " ".join(message.split())
+
+
+class _BackwardIgnoresCausal(torch.autograd.Function):
+    """The book's forward kernel; a backward in torch that masks as ``backward_causal`` says,
+    whatever the forward did (the bug of Triton's tutorial, issue #4541)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, backward_causal):
+        out, lse = attention_forward(q, k, v, causal=causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.backward_causal = backward_causal
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group = q.shape[1] // k.shape[1]
+        k_all, v_all = (t.repeat_interleave(group, dim=1) for t in (k, v))
+        scale = q.shape[-1] ** -0.5
+        p = torch.exp(q @ k_all.transpose(-1, -2) * scale - lse[..., None])
+        if ctx.backward_causal:
+            t_q, t_k = q.shape[2], k.shape[2]
+            keep = torch.ones(t_q, t_k, dtype=torch.bool).tril(t_k - t_q)
+            p = p.masked_fill(~keep, 0.0)
+        dv = p.transpose(-1, -2) @ d_out
+        ds = p * (d_out @ v_all.transpose(-1, -2) - (d_out * out).sum(-1, keepdim=True))
+        dq = ds @ k_all * scale
+        dk = ds.transpose(-1, -2) @ q * scale
+        fold = lambda t: t.unflatten(1, (k.shape[1], group)).sum(2)  # noqa: E731
+        return dq, fold(dk), fold(dv), None, None
+
+
+@pytest.mark.parametrize("always_causal", [True, False])
+def test_a_backward_that_ignores_causal_is_named(always_causal):
+    def fn(q, k, v, causal):
+        return _BackwardIgnoresCausal.apply(q, k, v, causal, always_causal)
+
+    assert check_flash_attention(fn, verbose=False) is None  # the forward is right
+    message = failure(check_flash_attention, fn, backward=True)
+    # always causal fails on the first, non-causal, gradients; never causal on the causal ones
+    item = len(FORWARD_ITEMS) + (1 if always_causal else 2)
+    total = len(FORWARD_ITEMS) + len(BACKWARD_ITEMS)
+    assert message.startswith(f"check_flash_attention: item {item} of {total}"), message
+    assert "ignores causal" in message and "#4541" in message
+
+
+def test_a_forward_without_autograd_is_told_so():
+    message = failure(check_flash_attention, book_forward, backward=True)
+    message = " ".join(message.split())
+    assert "out has no gradient" in message and "autograd.Function" in message
+
+
+def test_wrong_results_and_shapes_are_described():
+    def transposed(q, k, v, causal):  # (B, T_q, H, d)
+        return book_forward(q, k, v, causal)[0].transpose(1, 2)
+
+    assert "has shape" in failure(check_flash_attention, transposed)
+
+    def off_by_one(q, k, v, causal):
+        out, lse = book_forward(q, k, v, causal)
+        return out + 0.5, lse
+
+    message = failure(check_flash_attention, off_by_one)
+    message = " ".join(message.split())
+    assert "differs from attention in float64 by up to 0.499 (relative)" in message
+    assert "at index (0, 1, 0, 8)" in message and "expected -0.00290205" in message
+
+
+def test_fn_must_be_callable():
+    with pytest.raises(TypeError, match="fn must be a function"):
+        check_flash_attention("kernel")
