@@ -9,6 +9,8 @@ autograd.Function whose backward ignores causal, as Triton's tutorial did (issue
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -22,7 +24,7 @@ pytestmark = [
 
 if kernels.TRITON_AVAILABLE:
     from mha.exercises import failure
-    from mha.exercises_kernel import (
+    from mha.exercises.kernel import (
         BACKWARD_ITEMS,
         FORWARD_ITEMS,
         TOLERANCE,
@@ -201,6 +203,18 @@ def test_wrong_results_and_shapes_are_described():
     message = " ".join(message.split())
     assert "differs from attention in float64 by up to 0.499 (relative)" in message
     assert "at index (0, 1, 0, 8)" in message and "expected -0.00290205" in message
+
+
+def test_importing_the_checkers_imports_neither_torch_nor_triton():
+    code = (
+        "import sys, mha.exercises\n"
+        "assert not {'torch', 'triton'} & set(sys.modules), 'imported at once'\n"
+        "from mha.exercises import check_flash_attention\n"
+        "assert check_flash_attention.__module__ == 'mha.exercises.kernel'\n"
+        "assert 'triton' not in sys.modules, 'triton imported by the checker'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_fn_must_be_callable():

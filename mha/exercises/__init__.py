@@ -19,6 +19,8 @@ wrong axis, ...), the message names that mistake and how to put it right.
 * :func:`check_padded_positions` - ``fn(keep)``
 * :func:`check_kv_cache_update` - ``fn(keys, values, k, v, length)``
 * :func:`check_online_softmax_step` - ``fn(m, ell, acc, scores, v)``
+* :func:`check_flash_attention` - ``fn(q, k, v, causal)``, a FlashAttention
+  kernel and its launcher (:mod:`.kernel`, loaded when first used)
 
 Your function gets NumPy arrays, or float64 torch tensors with
 ``framework="torch"``; it may return either. Masks are boolean, ``True`` =
@@ -58,5 +60,16 @@ __all__ = [
     "check_padded_positions",
     "check_kv_cache_update",
     "check_online_softmax_step",
+    "check_flash_attention",
     "failure",
 ]
+
+
+def __getattr__(name: str):
+    # the kernel checker loads torch (and, with a GPU, Triton) when first
+    # used, so that importing the checkers stays light
+    if name == "check_flash_attention":
+        from .kernel import check_flash_attention
+
+        return check_flash_attention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .exercises import _Checker, _Failed
+from .checker import Checker, Failed
 
 __all__ = ["check_flash_attention", "TOLERANCE", "FORWARD_ITEMS"]
 
@@ -146,7 +146,7 @@ def check_flash_attention(
     Returns None when every item passes (printing the checklist unless
     ``verbose=False``); raises ``AssertionError`` naming the item otherwise.
     """
-    checker = _Checker("check_flash_attention", fn, "torch")
+    checker = Checker("check_flash_attention", fn, "torch")
     device = _device()
     returned_lse: list[bool] = []
 
@@ -178,7 +178,7 @@ def check_flash_attention(
         _print_checklist(checker, any(returned_lse), backward)
 
 
-def _print_checklist(checker: _Checker, lse: bool, backward: bool) -> None:
+def _print_checklist(checker: Checker, lse: bool, backward: bool) -> None:
     total = len(checker.items)
     print(f"check_flash_attention: all {total} items pass")
     for number, (title, _) in enumerate(checker.items, 1):
@@ -196,7 +196,7 @@ def _device() -> str:
     """Where the learner's kernels run: the CPU in Triton's interpreter."""
     if not torch.cuda.is_available():
         return "cpu"
-    from .kernels import INTERPRETED
+    from ..kernels import INTERPRETED
 
     return "cpu" if INTERPRETED else "cuda"
 
@@ -209,7 +209,7 @@ def _out_and_lse(result: Any, case: Case) -> tuple[Tensor, Tensor | None]:
     out, lse = result, None
     if isinstance(result, tuple | list):
         if len(result) != 2:
-            raise _Failed(
+            raise Failed(
                 f"it returned {len(result)} values: return out, or (out, lse)"
             )
         out, lse = result
@@ -218,12 +218,12 @@ def _out_and_lse(result: Any, case: Case) -> tuple[Tensor, Tensor | None]:
         if got is None:
             continue
         if not isinstance(got, Tensor):
-            raise _Failed(
+            raise Failed(
                 f"{name} is {type(got).__name__}, expected a torch tensor"
             )
         shape = shape or (b, h, t_q)
         if tuple(got.shape) != shape:
-            raise _Failed(
+            raise Failed(
                 f"for {case}: {name} has shape {tuple(got.shape)}, expected "
                 f"{shape}"
                 + (
@@ -233,7 +233,7 @@ def _out_and_lse(result: Any, case: Case) -> tuple[Tensor, Tensor | None]:
                 )
             )
     if out.dtype != torch.float32:
-        raise _Failed(
+        raise Failed(
             f"out is {out.dtype}, expected float32 like q: accumulate in "
             "float32 and store in the output's dtype "
             "(out.to(Out.dtype.element_ty))"
@@ -248,7 +248,7 @@ def _check_forward(case: Case, out: Tensor, lse: Tensor | None, inputs):
     where = f"for {case}: "
     empty = torch.isneginf(expected_lse)  # queries that see no key
     if empty.any() and torch.isnan(got[empty]).any():
-        raise _Failed(
+        raise Failed(
             where + "the rows of queries that see no key are NaN: their "
             "maximum stays -inf and exp(-inf - (-inf)) is NaN, then 0 / 0. "
             "Exponentiate against 0 where m is -inf (tl.where(m_new == "
@@ -261,7 +261,7 @@ def _check_forward(case: Case, out: Tensor, lse: Tensor | None, inputs):
     got_lse = lse.detach().cpu().double()
     if empty.any() and not torch.isneginf(got_lse[empty]).all():
         found = got_lse[empty][~torch.isneginf(got_lse[empty])][0].item()
-        raise _Failed(
+        raise Failed(
             where + f"a query that sees no key has logsumexp {found:.4g}, "
             "expected -inf (the log of an empty sum): set it to -inf where "
             "ell is 0"
@@ -367,14 +367,14 @@ def _row_max(q, k, case: Case) -> Tensor:
 # The backward pass
 
 
-def _check_backward(checker: _Checker, case: Case, seed: int) -> None:
+def _check_backward(checker: Checker, case: Case, seed: int) -> None:
     device = _device()
     leaves = [t.to(device).requires_grad_() for t in case.inputs(seed)]
     result = checker.call(*leaves, case.causal, copy=False)
     out, _ = _out_and_lse(result, case)
     where = f"for {case}: "
     if not out.requires_grad:
-        raise _Failed(
+        raise Failed(
             where + "out has no gradient: tie the forward and backward "
             "kernels together in a torch.autograd.Function"
         )
@@ -386,7 +386,7 @@ def _check_backward(checker: _Checker, case: Case, seed: int) -> None:
             out, leaves, d_out.to(device), allow_unused=True
         )
     except Exception as error:
-        raise _Failed(
+        raise Failed(
             f"{where}the backward pass raised {type(error).__name__}: {error}"
         ) from None
     q, k, v = (t.detach().cpu().double() for t in leaves)
@@ -409,7 +409,7 @@ def _check_backward(checker: _Checker, case: Case, seed: int) -> None:
         ("dq", "dk", "dv"), grads, expected, range(3)
     ):
         if got is None:
-            raise _Failed(where + f"{name} is None: the backward returned no "
+            raise Failed(where + f"{name} is None: the backward returned no "
                           "gradient for it")  # fmt: skip
         _compare(
             got.detach().cpu().double(),
@@ -561,10 +561,10 @@ def _compare(
     for words, results in (twins or {}).items():
         for twin in results if isinstance(results, tuple) else (results,):
             if twin.shape == got.shape and _close(got, twin):
-                raise _Failed(f"{what}: {words}")
+                raise Failed(f"{what}: {words}")
     if torch.isnan(got).any():
         where = tuple(int(i) for i in torch.nonzero(torch.isnan(got))[0])
-        raise _Failed(f"{what} holds NaN (first at index {where})")
+        raise Failed(f"{what} holds NaN (first at index {where})")
     error = (got - expected).abs() / (1 + expected.abs())
     worst = int(torch.argmax(torch.nan_to_num(error, nan=math.inf)))
     index = tuple(
@@ -572,7 +572,7 @@ def _compare(
     )
     worst_error = error.flatten()[worst].item()
     if 5 * TOLERANCE < worst_error < 0.02:  # rounding, not a formula
-        raise _Failed(
+        raise Failed(
             f"{what} is off by up to {worst_error:.2g} (relative; tolerance "
             f"{TOLERANCE:g}): the rounding of 16-bit numbers (float16 keeps "
             "11 bits, 2^-11 = 4.9e-4), not float32's. The accumulator, or "
@@ -587,7 +587,7 @@ def _compare(
         f"{worst_error:.3g} (relative): at index {index} it is "
         f"{got[index].item():.6g}, expected {expected[index].item():.6g}"
     )
-    raise _Failed(message)
+    raise Failed(message)
 
 
 def _close(got: Tensor, expected: Tensor) -> bool:
