@@ -106,9 +106,9 @@ def learner_forward_kernel(
             pv = tl.dot(p.to(tl.float16), v.to(tl.float16), out_dtype=tl.float16)
             acc = acc * alpha[:, None].to(tl.float16) + pv
         elif MISTAKE == "no_rescale":
-            acc = acc + tl.dot(p, v, input_precision="ieee")
+            acc = acc + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
     if MISTAKE == "nan_empty_row":
         out = acc / ell[:, None]

@@ -6,7 +6,8 @@ Triton kernel (and two more for its backward pass);
 programs. Causal attention is aligned bottom-right; keys and values may have
 fewer heads than the queries (GQA, MQA); any head size up to 256. The kernels
 are compiled ahead of time for sm_80 (A100) and sm_90 (H100) and inspected by
-``python -m mha.kernels --inspect`` (:mod:`mha.kernels.aot`); the project's
+``python -m mha.kernels --inspect`` (:mod:`mha.kernels.aot`), and your own
+kernels by :func:`compile_report` (:mod:`mha.kernels.report`); the project's
 own checks run them in the interpreter, never on a GPU. Importing this
 package never fails: not where Triton is missing, not where there is no GPU.
 
@@ -44,6 +45,7 @@ __all__ = [
     "INTERPRETED",
     "triton_attention",
     "triton_split_kv_attention",
+    "compile_report",
 ]
 
 #: The largest head size d_k the kernels take.
@@ -147,6 +149,23 @@ def triton_split_kv_attention(
         q, k, v, causal=causal, scale=scale, num_splits=num_splits
     )
     return out
+
+
+def compile_report(fn, *example_args, archs=("sm_80", "sm_90")) -> list:
+    """How the Triton kernels that ``fn(*example_args)`` launches compile
+    for the A100 (sm_80) and the H100 (sm_90), beside the book's kernel.
+
+    One row per kernel and arch, as ``python -m mha.kernels --inspect``
+    prints them (registers, spills, shared memory, HMMA and HGMMA). See
+    :func:`mha.kernels.report.compile_report`.
+
+    Raises:
+        ModuleNotFoundError: Triton cannot be imported here.
+    """
+    _require_triton("compile_report")
+    from .report import compile_report as report
+
+    return report(fn, *example_args, archs=archs)
 
 
 def _require_triton(name: str) -> None:

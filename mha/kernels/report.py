@@ -1,0 +1,356 @@
+"""How your own Triton kernel compiles for the A100 and the H100.
+
+:func:`compile_report` runs a launcher once (in Triton's interpreter where
+there is no GPU), records every Triton kernel it launches (the kernel's
+source, the arguments' dtypes, shapes and strides, the constexprs, warps and
+stages), compiles each ahead of time for sm_80 and sm_90 and returns one row
+per build, with the columns of ``python -m mha.kernels --inspect``:
+registers, spills, shared memory and tensor-core instructions. Where the
+launcher's first arguments are q, k and v, the book's forward kernel is
+compiled for the same shapes, beside it.
+
+A kernel decorated while ``TRITON_INTERPRET=1`` cannot be compiled in the
+same process, so the compiling happens in a child process that rebuilds
+the kernels from their source with the interpreter off (:func:`main`,
+``python -m mha.kernels.report``, reads the launches as JSON on stdin).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["compile_report", "capture_launches", "kernel_source"]
+
+# Launch options a kernel call takes besides its parameters.
+OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+# The constexpr names the tile sizes go by (ours; Triton's tutorials').
+TILE_NAMES = {
+    "block_q": ("BLOCK_Q", "BLOCK_M"),
+    "block_k": ("BLOCK_K", "BLOCK_N"),
+}
+
+
+def compile_report(
+    fn: Callable, *example_args: Any, archs=("sm_80", "sm_90")
+) -> list[dict]:
+    """Compile the kernels ``fn(*example_args)`` launches, for each arch.
+
+    Returns rows as ``python -m mha.kernels --inspect`` prints them (kernel,
+    arch, dtype, head_dim, causal, block_q, block_k, num_warps, num_stages,
+    registers, stack_bytes, spill_bytes, shared_bytes, hmma, hgmma, ...):
+    first your kernels', then, where the first three example arguments are
+    q (B, H, T_q, d) and k, v (B, H_kv, T_k, d), the book's forward kernel
+    (``"forward (book)"``) at its default tiles for the same shapes and
+    ``causal`` (the first bool among the arguments).
+
+    Raises:
+        ValueError: an arch other than sm_80 and sm_90, or ``fn`` launched
+            no Triton kernel.
+        RuntimeError: the compiler failed; the message holds its error.
+    """
+    from . import _require_triton
+
+    _require_triton("compile_report")
+    archs = tuple(archs)
+    for arch in archs:
+        if arch not in ("sm_80", "sm_90"):
+            raise ValueError(
+                f"archs must be among sm_80 (A100) and sm_90 (H100), got "
+                f"{arch!r}"
+            )
+    with capture_launches() as launches:
+        fn(*example_args)
+    if not launches:
+        raise ValueError(
+            f"{getattr(fn, '__name__', fn)!r} launched no Triton kernel on "
+            "the example arguments"
+        )
+    request = {
+        "archs": archs,
+        "launches": _unique(launches),
+        "book": _book_request(example_args),
+    }
+    return _in_a_compiling_process(request)
+
+
+# ---------------------------------------------------------------------------
+# Capturing the launches (in this process)
+
+
+@contextmanager
+def capture_launches() -> Iterator[list[dict]]:
+    """Record each Triton kernel launched inside the ``with`` block (and
+    still run it): its source, name, arguments and launch options."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    launches: list[dict] = []
+    originals = {cls: cls.run for cls in (InterpretedFunction, JITFunction)}
+
+    def recording(cls):
+        def run(self, *args, grid, warmup, **kwargs):
+            if not warmup:
+                launches.append(_describe_launch(self.fn, args, kwargs))
+            return originals[cls](
+                self, *args, grid=grid, warmup=warmup, **kwargs
+            )
+
+        return run
+
+    for cls in originals:
+        cls.run = recording(cls)
+    try:
+        yield launches
+    finally:
+        for cls, run in originals.items():
+            cls.run = run
+
+
+def _describe_launch(fn, args: tuple, kwargs: dict) -> dict:
+    options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    return {
+        "name": fn.__name__,
+        "source": kernel_source(fn),
+        "arguments": {k: _describe(v) for k, v in bound.arguments.items()},
+        "options": options,
+    }
+
+
+def _describe(value: Any) -> dict:
+    if isinstance(value, torch.Tensor):
+        return {
+            "dtype": str(value.dtype).removeprefix("torch."),
+            "shape": list(value.shape),
+            "stride": list(value.stride()),
+        }
+    value = getattr(value, "value", value)  # a tl.constexpr
+    if value is None or isinstance(value, bool | int | float | str):
+        return {"value": value}
+    raise TypeError(
+        f"a kernel argument of type {type(value).__name__} cannot be "
+        "compiled ahead of time here: pass tensors, numbers, strings or bools"
+    )
+
+
+def kernel_source(fn: Callable) -> str:
+    """A module's text that defines ``fn`` (a ``@triton.jit`` function's
+    Python function) and what it uses from its module: the jitted helpers
+    it calls, the modules it names, its constants."""
+    lines = ["import triton", "import triton.language as tl", ""]
+    done: set[str] = set()
+    bodies: list[str] = []
+
+    def add(function) -> None:
+        if function.__name__ in done:
+            return
+        done.add(function.__name__)
+        for name in sorted(_names(function.__code__)):
+            if name not in function.__globals__ or name in done:
+                continue
+            value = function.__globals__[name]
+            if hasattr(value, "fn") and callable(value.fn):  # jitted helper
+                add(value.fn)
+            elif isinstance(value, types.ModuleType):
+                lines.append(f"import {value.__name__} as {name}")
+                done.add(name)
+            elif _plain(getattr(value, "value", value)):
+                constant = getattr(value, "value", value)
+                wrap = (
+                    "tl.constexpr({!r})" if value is not constant else "{!r}"
+                )
+                lines.append(f"{name} = " + wrap.format(constant))
+                done.add(name)
+            elif _importable(value, name):
+                lines.append(
+                    f"from {value.__module__} import {value.__qualname__} "
+                    f"as {name}"
+                )
+                done.add(name)
+        bodies.append(textwrap.dedent(inspect.getsource(function)))
+
+    add(fn)
+    return "\n".join(lines) + "\n\n\n" + "\n\n".join(bodies)
+
+
+def _names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, bool | int | float | str)
+
+
+def _importable(value: Any, name: str) -> bool:
+    module = getattr(value, "__module__", None)
+    qualname = getattr(value, "__qualname__", "")
+    return bool(module) and module != "__main__" and qualname.isidentifier()
+
+
+def _unique(launches: list[dict]) -> list[dict]:
+    seen, kept = set(), []
+    for launch in launches:
+        key = json.dumps(launch, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            kept.append(launch)
+    return kept
+
+
+def _book_request(example_args: tuple) -> dict | None:
+    tensors = [a for a in example_args[:3] if isinstance(a, torch.Tensor)]
+    if len(tensors) < 3 or any(t.ndim != 4 for t in tensors):
+        return None
+    causal = next((a for a in example_args if isinstance(a, bool)), False)
+    return {"qkv": [_describe(t) for t in tensors], "causal": causal}
+
+
+def _in_a_compiling_process(request: dict) -> list[dict]:
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "mha.kernels.report"],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            "compiling ahead of time failed:\n" + done.stderr[-4000:]
+        )
+    return [json.loads(line) for line in done.stdout.splitlines() if line]
+
+
+# ---------------------------------------------------------------------------
+# Compiling (in a process with TRITON_INTERPRET=0)
+
+
+def main() -> int:
+    """Read a request as JSON on stdin, print one JSON row per build."""
+    from . import INTERPRETED
+
+    if INTERPRETED is not False:
+        print("compile with TRITON_INTERPRET=0", file=sys.stderr)
+        return 1
+    request = json.load(sys.stdin)
+    with tempfile.TemporaryDirectory() as folder:
+        kernels = [
+            _load_kernel(launch, Path(folder) / f"learner_{number}.py")
+            for number, launch in enumerate(request["launches"])
+        ]
+        for arch in request["archs"]:
+            for kernel, launch in zip(kernels, request["launches"]):
+                print(json.dumps(_learner_row(kernel, launch, arch, request)))
+            if request["book"] is not None:
+                print(json.dumps(_book_row(request["book"], arch)))
+    return 0
+
+
+def _load_kernel(launch: dict, path: Path):
+    # Triton reads a kernel's source from its file: write, then import it
+    path.write_text(launch["source"])
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return getattr(module, launch["name"])
+
+
+def _value(description: dict):
+    if "value" in description:
+        return description["value"]
+    dtype = getattr(torch, description["dtype"])
+    return torch.empty_strided(
+        description["shape"], description["stride"], dtype=dtype, device="meta"
+    )
+
+
+def _compile(kernel, args: list, constants: dict, arch: str) -> dict:
+    from .aot import ARCHS, compile_launch, read_build
+    from .attention import Launch
+
+    launch = Launch(kernel, (1,), tuple(args), constants)
+    compiled = compile_launch(launch, ARCHS[arch])
+    return {
+        "num_warps": compiled.metadata.num_warps,
+        "num_stages": compiled.metadata.num_stages,
+        **read_build(compiled, arch),
+    }
+
+
+def _learner_row(kernel, launch: dict, arch: str, request: dict) -> dict:
+    arguments = {k: _value(v) for k, v in launch["arguments"].items()}
+    args, constants = [], dict(launch["options"])
+    for param in kernel.params:
+        if param.name not in arguments:
+            continue  # left to its default
+        if param.is_constexpr:
+            constants[param.name] = arguments[param.name]
+        else:
+            args.append(arguments[param.name])
+    tensors = [a for a in launch["arguments"].values() if "dtype" in a]
+    book = request["book"]
+    row = {
+        "kernel": launch["name"],
+        "arch": arch,
+        "dtype": tensors[0]["dtype"] if tensors else None,
+        "head_dim": book["qkv"][0]["shape"][-1] if book else None,
+        "causal": book["causal"] if book else None,
+    }
+    for key, names in TILE_NAMES.items():
+        row[key] = next((constants[n] for n in names if n in constants), None)
+    return {**row, **_compile(kernel, args, constants, arch), "cubin": None}
+
+
+def _book_row(book: dict, arch: str) -> dict:
+    from .aot import ARCHS
+    from .attention import default_tiles, forward_launch
+
+    q, k, v = (_value(t) for t in book["qkv"])
+    lse = torch.empty(q.shape[:3], device="meta")
+    capability = ARCHS[arch]
+    tiles = default_tiles(
+        "forward", q.shape[-1], q.dtype, (capability // 10, capability % 10)
+    )
+    launch = forward_launch(
+        q, k, v, torch.empty_like(q), lse, causal=book["causal"],
+        scale=q.shape[-1] ** -0.5, tiles=tiles,
+    )  # fmt: skip
+    constants = dict(launch.constants)
+    row = {
+        "kernel": "forward (book)",
+        "arch": arch,
+        "dtype": book["qkv"][0]["dtype"],
+        "head_dim": q.shape[-1],
+        "causal": book["causal"],
+        "block_q": tiles.block_q,
+        "block_k": tiles.block_k,
+    }
+    return {
+        **row,
+        **_compile(launch.kernel, list(launch.args), constants, arch),
+        "cubin": None,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""compile_report: a learner's Triton kernels, captured from their launcher and compiled ahead of
+time for sm_80 and sm_90 in a child process, beside the book's kernel.
+
+The book's row is checked against the committed `python -m mha.kernels --inspect` run (another
+route to the same build: its own launch of 4 x 4096 tokens, the same tiles and specialisation).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from mha import kernels
+
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.skipif(not kernels.TRITON_AVAILABLE, reason="triton is not installed"),
+]
+
+if kernels.TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    from learner_kernels import learner_attention
+
+    #: a global constant the kernel reads, carried to the compiling process
+    ROWS_PER_PROGRAM = tl.constexpr(2)
+
+    @triton.jit
+    def _row_pointers(base, row, stride, cols):
+        return base + row * stride + cols
+
+    @triton.jit
+    def row_softmax_kernel(X, Y, stride, n_cols, BLOCK: tl.constexpr):
+        for i in range(ROWS_PER_PROGRAM):
+            row = tl.program_id(0) * ROWS_PER_PROGRAM + i
+            cols = tl.arange(0, BLOCK)
+            x = tl.load(
+                _row_pointers(X, row, stride, cols), mask=cols < n_cols, other=-float("inf")
+            )
+            e = tl.exp(x - tl.max(x, axis=0))
+            tl.store(
+                _row_pointers(Y, row, stride, cols), e / tl.sum(e, axis=0), mask=cols < n_cols
+            )
+
+
+def row_softmax(x):
+    y = torch.empty_like(x)
+    block = triton.next_power_of_2(x.shape[1])
+    row_softmax_kernel[(x.shape[0] // 2,)](x, y, x.stride(0), x.shape[1], BLOCK=block, num_warps=2)
+    return y
+
+
+ROOT = Path(__file__).resolve().parents[1]
+COLUMNS = {"kernel", "arch", "dtype", "head_dim", "block_q", "block_k", "num_warps", "num_stages"}
+COLUMNS |= {"registers", "spill_bytes", "shared_bytes", "hmma", "hgmma", "cubin"}
+
+
+def test_a_learners_attention_kernel_beside_the_books():
+    q = torch.randn(1, 4, 64, 64).half()  # (B, H, T_q, d)
+    k, v = torch.randn(2, 1, 2, 64, 64).half()  # (B, H_kv, T_k, d) each
+    rows = kernels.compile_report(learner_attention, q, k, v, True)
+    assert [(r["kernel"], r["arch"]) for r in rows] == [
+        ("learner_forward_kernel", "sm_80"),
+        ("forward (book)", "sm_80"),
+        ("learner_forward_kernel", "sm_90"),
+        ("forward (book)", "sm_90"),
+    ]
+    for row in rows:
+        assert COLUMNS <= set(row), COLUMNS - set(row)
+        assert row["dtype"] == "float16" and row["head_dim"] == 64 and row["causal"] is True
+        assert row["registers"] > 0 and row["spill_bytes"] == 0
+        assert row["hmma"] + row["hgmma"] > 0  # float16 products on the tensor cores
+    learner = rows[0]
+    assert (learner["block_q"], learner["block_k"], learner["num_warps"]) == (32, 32, 4)
+    assert rows[0]["hgmma"] == 0 and rows[1]["hgmma"] == 0  # no warpgroup products on sm_80
+
+    # the book's rows are the builds `python -m mha.kernels --inspect` committed
+    committed = json.loads(sorted((ROOT / "benchmarks").glob("kernels_2*.json"))[-1].read_text())
+    for row in rows[1::2]:
+        (same,) = [
+            b
+            for b in committed["builds"]
+            if (b["kernel"], b["arch"], b["dtype"], b["head_dim"])
+            == ("forward", row["arch"], "float16", 64)
+            and b.get("causal", True)
+        ]
+        for key in ("block_q", "block_k", "num_warps", "num_stages", "registers", "shared_bytes"):
+            assert row[key] == same[key], key
+        assert row["tensor_core_instructions"] == same["tensor_core_instructions"]
+
+
+def test_a_kernel_with_helpers_and_constants_compiles():
+    x = torch.randn(6, 37)
+    torch.testing.assert_close(row_softmax(x), torch.softmax(x, dim=-1))
+    rows = kernels.compile_report(row_softmax, x, archs=("sm_90",))
+    (row,) = rows  # x is not (q, k, v): no book row
+    assert row["kernel"] == "row_softmax_kernel" and row["arch"] == "sm_90"
+    assert row["num_warps"] == 2 and row["dtype"] == "float32" and row["head_dim"] is None
+    assert row["hmma"] == row["hgmma"] == 0  # no product, no tensor core
+
+
+def test_bad_requests_are_refused():
+    with pytest.raises(ValueError, match="archs must be among sm_80"):
+        kernels.compile_report(row_softmax, torch.zeros(2, 4), archs=("sm_75",))
+    with pytest.raises(ValueError, match="launched no Triton kernel"):
+        kernels.compile_report(torch.softmax, torch.zeros(2, 4), -1)
