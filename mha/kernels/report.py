@@ -62,9 +62,13 @@ def compile_report(
             no Triton kernel.
         RuntimeError: the compiler failed; the message holds its error.
     """
-    from . import _require_triton
+    from . import TRITON_AVAILABLE
 
-    _require_triton("compile_report")
+    if not TRITON_AVAILABLE:
+        raise ModuleNotFoundError(
+            "compile_report needs the triton package: pip install "
+            "triton==3.9.0 (Linux)"
+        )
     archs = tuple(archs)
     for arch in archs:
         if arch not in ("sm_80", "sm_90"):
