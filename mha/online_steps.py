@@ -1,0 +1,335 @@
+"""The online softmax, one key tile at a time: a step-through for one query.
+
+:func:`online_softmax_steps` follows one query through the loop of
+:func:`mha.flash.online_softmax` and records, after each key tile, the
+running maximum ``m``, sum ``ell``, the factor ``alpha = exp(m_old -
+m_new)`` that rescaled what was summed before, and the accumulator ``acc``:
+the state of :mod:`mha.flash` itself, read by running its loop over the
+first tiles. With ``causal``, the tiles after the query's own position are
+skipped (:func:`mha.flash.key_blocks`); a last step divides, ``acc /
+ell``, as :func:`mha.flash.finish` does.
+
+:func:`step_through` draws the steps as one piece of HTML: a row of frames
+chosen with radio buttons and a stylesheet (``:checked``), no script and
+nothing loaded from another host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from . import flash
+
+__all__ = ["Step", "online_softmax_steps", "step_through", "StepThrough"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """The state after one step of the loop (or the start, or the end)."""
+
+    title: str  # the label of its button
+    kind: str  # "start", "tile", "skipped" or "finish"
+    keys: tuple[int, int]  # the keys of this tile, start..stop-1
+    scores: NDArray[np.floating]  # the tile's scores, -inf where masked
+    m: float  # running maximum after the step
+    ell: float  # running sum of exp(score - m)
+    alpha: float  # exp(m_old - m_new): what the old ell and acc were scaled by
+    acc: NDArray[np.floating]  # (d_v,) running sum of exp(score - m) v
+    out: NDArray[np.floating] | None = None  # acc / ell, at the finish
+
+
+def online_softmax_steps(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    query: int,
+    block_q: int,
+    block_k: int,
+    causal: bool = True,
+) -> list[Step]:
+    """The steps of the online softmax for query ``query`` of ``q``.
+
+    Args:
+        q: (T_q, d_k); k: (T_k, d_k); v: (T_k, d_v).
+        query: which query row to follow.
+        block_q, block_k: queries and keys per tile; the query is followed
+            inside its tile of ``block_q`` queries, as the tiled pass runs.
+        causal: bottom-right aligned; the key tiles past the query tile's
+            last key are skipped (one more step shows them).
+
+    Returns:
+        a start step, one step per computed tile, a step for the skipped
+        tiles (when any are) and a finish step.
+    """
+    q, k, v = (np.asarray(a, dtype=float) for a in (q, k, v))
+    t_q, t_k = q.shape[0], k.shape[0]
+    if not 0 <= query < t_q:
+        raise ValueError(f"query must be in 0..{t_q - 1}, got {query}")
+    start = query // block_q * block_q
+    rows = slice(start, min(start + block_q, t_q))  # the query's tile
+    row = query - start
+    offset, scale = t_k - t_q, q.shape[-1] ** -0.5
+    tiles = list(flash.key_blocks(rows, t_q, t_k, block_k, causal))
+    empty = np.zeros(0)
+    steps = [
+        Step("start", "start", (0, 0), empty, -math.inf, 0.0, 0.0,
+             np.zeros(v.shape[-1]))
+    ]  # fmt: skip
+    for number, cols in enumerate(tiles):
+        # mha.flash's own loop, over the first number + 1 tiles
+        m, ell, acc = flash.online_softmax(
+            q[rows], k, v, rows, tiles[: number + 1], offset, causal, scale
+        )
+        scores = q[query] @ k[cols].T * scale  # (B_k,)
+        if causal:
+            keep = flash.causal_keep(rows, cols, offset)[row]
+            scores = np.where(keep, scores, -np.inf)
+        m_old = steps[-1].m
+        alpha = 0.0 if math.isinf(m_old) else math.exp(m_old - m[row])
+        steps.append(
+            Step(f"tile {number}", "tile", (cols.start, cols.stop), scores,
+                 float(m[row]), float(ell[row]), alpha, acc[row])
+        )  # fmt: skip
+    last = steps[-1]
+    stop = tiles[-1].stop if tiles else 0
+    if stop < t_k:
+        steps.append(
+            Step("skipped", "skipped", (stop, t_k), empty, last.m, last.ell,
+                 1.0, last.acc)
+        )  # fmt: skip
+    out, _ = flash.finish(
+        np.array([last.m]), np.array([last.ell]), last.acc[None]
+    )
+    steps.append(
+        Step("result", "finish", (0, 0), empty, last.m, last.ell, 1.0,
+             last.acc, out[0])
+    )  # fmt: skip
+    return steps
+
+
+class StepThrough:
+    """The HTML of a step-through; Jupyter shows it through
+    ``_repr_html_``, and its text form lists the steps."""
+
+    def __init__(self, html_text: str, summary: str) -> None:
+        self.html = html_text
+        self.summary = summary
+
+    def _repr_html_(self) -> str:
+        return self.html
+
+    def __repr__(self) -> str:
+        return self.summary
+
+
+def _number(x: float) -> str:
+    if math.isinf(x):
+        return "−∞" if x < 0 else "∞"
+    return f"{x:.3f}".replace("-", "−")
+
+
+def _plain(x: float) -> str:
+    """A number as it is shown, in ASCII (for data attributes)."""
+    return "-inf" if x == -math.inf else f"{x:.3f}"
+
+
+def _vector(values) -> str:
+    return "[" + ", ".join(_number(float(x)) for x in values) + "]"
+
+
+def step_through(
+    steps: list[Step], t_k: int, block_k: int, query: int
+) -> StepThrough:
+    """Draw ``steps`` (from :func:`online_softmax_steps` for ``query``) over
+    ``t_k`` keys in tiles of ``block_k``: one frame per step, chosen by its
+    button."""
+    # named by what it shows, to the digits shown, so the same on every CPU
+    shown = [(s.title, _number(s.m), _number(s.ell), _vector(s.acc))
+             for s in steps]  # fmt: skip
+    uid = "mha-os-" + hashlib.sha1(repr(shown).encode()).hexdigest()[:10]
+    inputs, labels, frames = [], [], []
+    for number, step in enumerate(steps):
+        box = f"{uid}-{number}"
+        checked = " checked" if number == 0 else ""
+        inputs.append(
+            f'<input type="radio" name="{uid}" id="{box}" class="mha-os-i"'
+            f"{checked}>"
+        )
+        labels.append(f'<label for="{box}">{html.escape(step.title)}</label>')
+        frames.append(
+            f'<div class="mha-os-frame mha-os-f{number}" '
+            f'data-step="{number}" data-m="{_plain(step.m)}" '
+            f'data-ell="{_plain(step.ell)}">'
+            + f'<div class="mha-os-what">query {query}, keys 0 to {t_k - 1} '
+            f"in tiles of {block_k}</div>"
+            + _keys(steps, number, t_k, block_k)
+            + _table(steps, number)
+            + f'<p class="mha-os-say">{_say(steps, number)}</p></div>'
+        )
+    body = (
+        f'<div class="mha-os" id="{uid}"><style>{_style(uid, len(steps))}'
+        "</style>"
+        '<p class="mha-os-note">This step-through draws with its own '
+        "stylesheet: run the cell (or trust the notebook) to see it.</p>"
+        + "".join(inputs)
+        + f'<div class="mha-os-tabs">{"".join(labels)}</div>'
+        + f'<div class="mha-os-frames">{"".join(frames)}</div></div>'
+    )
+    summary = (
+        f"online softmax step-through: {len(steps)} steps over {t_k} keys in "
+        f"tiles of {block_k} (interactive in HTML)"
+    )
+    return StepThrough(body, summary)
+
+
+def _keys(steps: list[Step], number: int, t_k: int, block_k: int) -> str:
+    """The row of keys, each coloured by what the loop has done with it."""
+    step = steps[number]
+    done = max((s.keys[1] for s in steps[: number + 1] if s.kind == "tile"),
+               default=0)  # fmt: skip
+    skipped = next((s.keys for s in steps if s.kind == "skipped"), (t_k, t_k))
+    cells = []
+    for j in range(t_k):
+        if step.kind == "tile" and step.keys[0] <= j < step.keys[1]:
+            masked = math.isinf(step.scores[j - step.keys[0]])
+            kind = "masked" if masked else "now"
+        elif j >= skipped[0] and step.kind in ("skipped", "finish"):
+            kind = "skipped"
+        elif j < done:
+            kind = "seen"
+        else:
+            kind = "ahead"
+        edge = " edge" if j % block_k == 0 and j else ""
+        cells.append(f'<span class="k {kind}{edge}" title="key {j}"></span>')
+    return (
+        '<div class="mha-os-keys" role="img" aria-label="keys 0 to '
+        f'{t_k - 1}, coloured by step">{"".join(cells)}</div>'
+        '<div class="mha-os-legend"><span class="k seen"></span>seen '
+        '<span class="k now"></span>this tile '
+        '<span class="k masked"></span>masked '
+        '<span class="k skipped"></span>skipped</div>'
+    )
+
+
+def _table(steps: list[Step], number: int) -> str:
+    step = steps[number]
+    before = steps[number - 1] if number else step
+    rows = [("m", before.m, step.m), ("ℓ", before.ell, step.ell)]
+    cells = "".join(
+        f"<tr><th>{name}</th><td>{_number(old)}</td><td>{_number(new)}</td>"
+        "</tr>"
+        for name, old, new in rows
+    )
+    cells += (
+        f"<tr><th>acc</th><td>{_vector(before.acc)}</td>"
+        f"<td>{_vector(step.acc)}</td></tr>"
+    )
+    extra = ""
+    if step.kind == "tile":
+        extra = (
+            f"<tr><th>α</th><td></td><td>{_number(step.alpha)}</td></tr>"
+            f"<tr><th>scores</th><td></td><td>{_vector(step.scores)}</td></tr>"
+        )
+    if step.out is not None:
+        extra = f"<tr><th>out</th><td></td><td>{_vector(step.out)}</td></tr>"
+    return (
+        '<table class="mha-os-state"><tr><th></th><th>before</th>'
+        f"<th>after</th></tr>{cells}{extra}</table>"
+    )
+
+
+def _say(steps: list[Step], number: int) -> str:
+    step = steps[number]
+    before = steps[number - 1] if number else step
+    first, stop = step.keys
+    if step.kind == "start":
+        return (
+            "Nothing seen yet: m = −∞, ℓ = 0, acc = 0. Each step reads one "
+            "tile of keys and values and updates these three."
+        )
+    if step.kind == "skipped":
+        return (
+            f"Keys {first} to {stop - 1} come after the last position of "
+            "this query's tile: causal attention skips their tiles, never "
+            "loads them, and the state stays as it was."
+        )
+    if step.kind == "finish":
+        lse = _number(step.m + math.log(step.ell))
+        return (
+            "After the last tile, one division gives the output, out = acc "
+            f"/ ℓ, and the logsumexp m + log ℓ = {lse} is kept for the "
+            "backward pass."
+        )
+    top = float(np.max(step.scores))
+    masked = int(np.isinf(step.scores).sum())
+    text = f"Keys {first} to {stop - 1}"
+    if masked:
+        text += f" ({masked} masked: after the query's position)"
+    if math.isinf(before.m):
+        text += (
+            f": the first tile. m = {_number(step.m)}, its largest score, "
+            "and α = 0: there was nothing to rescale."
+        )
+    elif top > before.m:
+        text += (
+            f": the largest score, {_number(top)}, is above m = "
+            f"{_number(before.m)}, so m rises and the old ℓ and acc are "
+            f"multiplied by α = exp({_number(before.m)} − {_number(step.m)})"
+            f" = {_number(step.alpha)} before the tile's terms are added."
+        )
+    else:
+        text += (
+            f": no score is above m = {_number(before.m)}, so m stays, α = "
+            "1, and the tile's terms exp(s − m) are added."
+        )
+    return text
+
+
+def _style(uid: str, count: int) -> str:
+    scope = f"#{uid}"
+    rules = [
+        f"{scope}{{font-size:0.9em;margin:0.5em 0;max-width:100%}}",
+        f"{scope} .mha-os-note{{display:none}}",
+        f"{scope} .mha-os-i{{position:absolute;opacity:0;width:1px;"
+        "height:1px}",
+        f"{scope} .mha-os-tabs{{display:flex;flex-wrap:wrap;gap:4px;"
+        "margin-bottom:6px}",
+        f"{scope} label{{border:1px solid #888;border-radius:4px;"
+        "padding:1px 7px;cursor:pointer;white-space:nowrap}",
+        f"{scope} .mha-os-frame{{display:none}}",
+        f"{scope} .mha-os-keys{{display:flex;gap:1px;margin:4px 0}}",
+        f"{scope} .k{{display:inline-block;height:18px;flex:1 1 0;"
+        "min-width:4px;background:#eee}",
+        f"{scope} .k.edge{{margin-left:4px}}",
+        f"{scope} .k.seen{{background:#4c72b0}}",
+        f"{scope} .k.now{{background:#dd8452}}",
+        f"{scope} .k.masked{{background:#c44e52}}",
+        f"{scope} .k.skipped{{background:#bbb;background-image:"
+        "repeating-linear-gradient(45deg,#fff 0 2px,#bbb 2px 5px)}",
+        f"{scope} .mha-os-legend,{scope} .mha-os-what{{font-size:0.85em}}",
+        f"{scope} .mha-os-legend .k{{width:12px;height:12px;flex:none;"
+        "vertical-align:middle;margin:0 3px 0 8px}",
+        f"{scope} table{{font-family:var(--pst-font-family-monospace,"
+        "monospace);font-size:0.85em;margin:6px 0;display:block;"
+        "overflow-x:auto;max-width:100%}",
+        f"{scope} th,{scope} td{{padding:1px 8px;text-align:left}}",
+    ]
+    for number in range(count):
+        on = f"{scope} #{uid}-{number}:checked"
+        rules.append(f"{on}~.mha-os-frames .mha-os-f{number}{{display:block}}")
+        rules.append(
+            f"{on}~.mha-os-tabs label[for={uid}-{number}]"
+            "{background:#4c72b0;color:#fff;border-color:#4c72b0}"
+        )
+        rules.append(
+            f"{scope} #{uid}-{number}:focus-visible~.mha-os-tabs "
+            f"label[for={uid}-{number}]{{outline:2px solid #dd8452}}"
+        )
+    return "".join(rules)
