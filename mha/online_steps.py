@@ -320,6 +320,7 @@ def _style(uid: str, count: int) -> str:
         "monospace);font-size:0.85em;margin:6px 0;display:block;"
         "overflow-x:auto;max-width:100%}",
         f"{scope} th,{scope} td{{padding:1px 8px;text-align:left}}",
+        f"{scope} th{{font-family:var(--pst-font-family-base,sans-serif)}}",
     ]
     for number in range(count):
         on = f"{scope} #{uid}-{number}:checked"
