@@ -139,6 +139,31 @@ def test_the_key_tail_is_named_with_tiles_smaller_than_the_keys():
     assert "key tail is not masked" in " ".join(message.split())
 
 
+def _tf32(x):
+    """float32 rounded to TF32's 10 bits of mantissa, as tl.dot does on a GPU by default."""
+    bits = x.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & -0x2000).view(torch.float32)
+
+
+def tf32_products(q, k, v, causal):
+    """Attention in float32 whose products round their inputs to TF32, in torch."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    scores = _tf32(q) @ _tf32(k).transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        t_q, t_k = q.shape[2], k.shape[2]
+        keep = torch.ones(t_q, t_k, dtype=torch.bool).tril(t_k - t_q)
+        scores = scores.masked_fill(~keep, -torch.inf)
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return _tf32(weights) @ _tf32(v)
+
+
+def test_tf32_products_are_named():
+    message = " ".join(failure(check_flash_attention, tf32_products).split())
+    assert message.startswith("check_flash_attention: item 1 of"), message
+    assert "TF32: pass input_precision='ieee'" in message
+
+
 class _BackwardIgnoresCausal(torch.autograd.Function):
     """The book's forward kernel; a backward in torch that masks as ``backward_causal`` says,
     whatever the forward did (the bug of Triton's tutorial, issue #4541)."""

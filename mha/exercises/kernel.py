@@ -574,13 +574,12 @@ def _compare(
     if 5 * TOLERANCE < worst_error < 0.02:  # rounding, not a formula
         raise Failed(
             f"{what} is off by up to {worst_error:.2g} (relative; tolerance "
-            f"{TOLERANCE:g}): the rounding of 16-bit numbers (float16 keeps "
-            "11 bits, 2^-11 = 4.9e-4), not float32's. The accumulator, or "
-            "p @ v, was kept in float16: keep m, ell and acc in float32 "
-            "(tl.zeros(..., dtype=tl.float32)) and multiply p by v in "
-            "float32 when the inputs are float32. (On a GPU, tl.dot of "
-            "float32 rounds its inputs to TF32, 11 bits too, unless "
-            "input_precision='ieee')"
+            f"{TOLERANCE:g}): the rounding of numbers with 10 bits of "
+            "mantissa (2^-11 = 4.9e-4), not float32's. Either the "
+            "accumulator, or p @ v, was kept in float16: keep m, ell and acc "
+            "in float32 (tl.zeros(..., dtype=tl.float32)); or, on a GPU, "
+            "tl.dot rounded float32 inputs to TF32: pass "
+            "input_precision='ieee'"
         )
     message = (
         f"{what} differs from attention in float64 by up to "
