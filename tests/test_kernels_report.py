@@ -92,6 +92,21 @@ def test_a_learners_attention_kernel_beside_the_books():
         assert row["tensor_core_instructions"] == same["tensor_core_instructions"]
 
 
+def test_the_books_kernel_rebuilt_from_its_source_compiles_as_the_book_does():
+    # its helpers come from its module (copied) and from triton.language (imported, renamed)
+    from mha.kernels.attention import attention_forward
+
+    q, k, v = torch.randn(3, 1, 2, 64, 64).half()  # (B, H, T, d) each
+
+    def launcher(q, k, v, causal):
+        return attention_forward(q, k, v, causal=causal)
+
+    captured, book = kernels.compile_report(launcher, q, k, v, True, archs=("sm_80",))
+    assert captured["kernel"] == "_forward_kernel" and book["kernel"] == "forward (book)"
+    for key in ("block_q", "block_k", "num_warps", "registers", "shared_bytes", "hmma"):
+        assert captured[key] == book[key], key
+
+
 def test_a_kernel_with_helpers_and_constants_compiles():
     x = torch.randn(6, 37)
     torch.testing.assert_close(row_softmax(x), torch.softmax(x, dim=-1))

@@ -154,41 +154,57 @@ def _describe(value: Any) -> dict:
 def kernel_source(fn: Callable) -> str:
     """A module's text that defines ``fn`` (a ``@triton.jit`` function's
     Python function) and what it uses from its module: the jitted helpers
-    it calls, the modules it names, its constants."""
+    it calls (their source, or an import where they come from another
+    module, such as ``triton.language``), the modules it names, its
+    constants."""
     lines = ["import triton", "import triton.language as tl", ""]
-    done: set[str] = set()
+    done: set[str] = set()  # global names written
+    defined: set[str] = set()  # functions whose source is written
     bodies: list[str] = []
+    aliases: list[str] = []
 
     def add(function) -> None:
-        if function.__name__ in done:
-            return
-        done.add(function.__name__)
+        defined.add(function.__name__)
         for name in sorted(_names(function.__code__)):
             if name not in function.__globals__ or name in done:
                 continue
+            done.add(name)
             value = function.__globals__[name]
-            if hasattr(value, "fn") and callable(value.fn):  # jitted helper
-                add(value.fn)
+            helper = getattr(value, "fn", None)
+            if callable(helper) and helper.__module__ != function.__module__:
+                lines.append(
+                    f"from {helper.__module__} import {helper.__name__} "
+                    f"as {name}"
+                )
+            elif callable(helper):  # a jitted helper of the same module
+                if helper.__name__ not in defined:
+                    add(helper)
+                if name != helper.__name__:
+                    aliases.append(f"{name} = {helper.__name__}")
             elif isinstance(value, types.ModuleType):
                 lines.append(f"import {value.__name__} as {name}")
-                done.add(name)
             elif _plain(getattr(value, "value", value)):
                 constant = getattr(value, "value", value)
                 wrap = (
                     "tl.constexpr({!r})" if value is not constant else "{!r}"
                 )
                 lines.append(f"{name} = " + wrap.format(constant))
-                done.add(name)
-            elif _importable(value, name):
+            elif _importable(value):
                 lines.append(
                     f"from {value.__module__} import {value.__qualname__} "
                     f"as {name}"
                 )
-                done.add(name)
         bodies.append(textwrap.dedent(inspect.getsource(function)))
 
     add(fn)
-    return "\n".join(lines) + "\n\n\n" + "\n\n".join(bodies)
+    return (
+        "\n".join(lines)
+        + "\n\n\n"
+        + "\n\n".join(bodies)
+        + "\n"
+        + "\n".join(aliases)
+        + "\n"
+    )
 
 
 def _names(code: types.CodeType) -> set[str]:
@@ -203,7 +219,7 @@ def _plain(value: Any) -> bool:
     return value is None or isinstance(value, bool | int | float | str)
 
 
-def _importable(value: Any, name: str) -> bool:
+def _importable(value: Any) -> bool:
     module = getattr(value, "__module__", None)
     qualname = getattr(value, "__qualname__", "")
     return bool(module) and module != "__main__" and qualname.isidentifier()
