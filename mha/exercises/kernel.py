@@ -184,7 +184,7 @@ def _print_checklist(checker: Checker, lse: bool, backward: bool) -> None:
     for number, (title, _) in enumerate(checker.items, 1):
         print(f"  {number}. {title}")
     print(
-        "  the logsumexp was checked in every item"
+        f"  the logsumexp was checked in items 1 to {len(FORWARD_ITEMS)}"
         if lse
         else "  (no logsumexp returned: return (out, lse) to check it too)"
     )
