@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NoReturn
 
 import numpy as np
 from numpy.typing import NDArray
@@ -13,12 +15,37 @@ from numpy.typing import NDArray
 from .._validate import check_choice
 
 Array = NDArray[Any]
-# Two results agree when they differ by rounding only.
+# Two results agree when they differ by rounding only: float64 results to
+# RTOL and ATOL; results in float32 (or narrower) to float32's rounding:
+# a right float32 version is off by up to 1e-4 where a score near 800
+# (float32's steps there are 6e-5 apart) went through exp, and RTOL_32
+# leaves three times that. ATOL is relative to the largest
+# expected value: rounding follows the size of the terms summed, and a
+# small result of large terms carries their error.
 RTOL, ATOL = 1e-6, 1e-9
+RTOL_32, ATOL_32 = 3e-4, 3e-6
+
+
+def tolerance(dtype: Any) -> tuple[float, float]:
+    """``(rtol, atol)`` for a result of ``dtype``."""
+    dtype = np.dtype(dtype)
+    if np.issubdtype(dtype, np.floating) and dtype.itemsize < 8:
+        return RTOL_32, ATOL_32
+    return RTOL, ATOL
 
 
 class Failed(Exception):
-    """One checklist item failed; the message says how."""
+    """One checklist item failed; the message says how.
+
+    ``learner_frames`` is the traceback inside the learner's function when
+    it raised, so that the report can show the learner's own line.
+    """
+
+    def __init__(
+        self, message: str, learner_frames: TracebackType | None = None
+    ) -> None:
+        super().__init__(message)
+        self.learner_frames = learner_frames
 
 
 class Checker:
@@ -60,6 +87,7 @@ class Checker:
         kwargs = {
             k: to_framework(a, self.framework, copy) for k, a in kwargs.items()
         }
+        __tracebackhide__ = True  # IPython and pytest skip this frame
         try:
             # the checklist reports overflow and NaN; NumPy's warnings would
             # only repeat it
@@ -75,26 +103,76 @@ class Checker:
             raise Failed(
                 f"calling it with ({shapes}) raised "
                 f"{type(error).__name__}: {error}"
-                + "".join(f"\n{hint}" for hint in hints)
+                + "".join(f"\n{hint}" for hint in hints),
+                # from the learner's function inwards
+                learner_frames=error.__traceback__.tb_next
+                if error.__traceback__
+                else None,
             ) from None
 
     def run(self, verbose: bool) -> None:
+        """Run the items in order; the first that fails raises."""
+        __tracebackhide__ = True
         total = len(self.items)
         for number, (title, run) in enumerate(self.items, 1):
             try:
                 run()
             except Failed as failed:
-                raise AssertionError(
-                    wrap(
-                        f"{self.name}: item {number} of {total} failed: "
-                        f"{title}.",
-                        str(failed),
-                    )
-                ) from None
+                message = wrap(
+                    f"{self.name}: item {number} of {total} failed: {title}.",
+                    str(failed),
+                )
+                report(CheckFailed(message), failed.learner_frames)
         if verbose:
             print(f"{self.name}: all {total} items pass")
             for number, (title, _) in enumerate(self.items, 1):
                 print(f"  {number}. {title}")
+
+
+class CheckFailed(AssertionError):
+    """A checklist item failed: the message names it and what came.
+
+    Its traceback, as IPython (a notebook) prints it, holds the learner's
+    frames only: the line that called the checker and, when the learner's
+    function raised, the lines inside it; the checker's frames are left out.
+    pytest leaves them out too (they set ``__tracebackhide__``).
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is None:  # IPython falls back to its plain traceback
+            raise RuntimeError("no IPython shell")
+        return shell.InteractiveTB.structured_traceback(
+            AssertionError, self, _learners_frames(self.__traceback__)
+        )
+
+
+HERE = Path(__file__).resolve().parent
+
+
+def _learners_frames(frames: TracebackType | None) -> TracebackType | None:
+    """The traceback ``frames`` without the frames of this package."""
+    kept = []
+    while frames is not None:
+        code = frames.tb_frame.f_code
+        if Path(code.co_filename).resolve().parent != HERE:
+            kept.append(frames)
+        frames = frames.tb_next
+    chain = None
+    for frame in reversed(kept):
+        chain = TracebackType(
+            chain, frame.tb_frame, frame.tb_lasti, frame.tb_lineno
+        )
+    return chain
+
+
+def report(error: CheckFailed, frames: TracebackType | None) -> NoReturn:
+    """Raise a checker's verdict, with the learner's ``frames`` (if their
+    function raised) below the checker's."""
+    __tracebackhide__ = True
+    raise error.with_traceback(frames) from None
 
 
 def failure(check: Callable, fn: Callable, **kwargs: Any) -> str | None:
@@ -186,27 +264,58 @@ def compare(
     expect_shape(got, expected.shape, what)
     if not np.issubdtype(got.dtype, np.number) and got.dtype != bool:
         raise Failed(f"{what} has dtype {got.dtype}, expected numbers")
-    if np.allclose(got, expected, rtol=RTOL, atol=ATOL, equal_nan=True):
+    rtol, atol = tolerance(got.dtype)
+    atol *= scale_of(expected)
+    if np.allclose(got, expected, rtol=rtol, atol=atol, equal_nan=True):
         return
     # NaN where a mistake gives 0 is a second mistake (an empty row): name
     # the first
     for hint, twins in (mistakes or {}).items():
         for twin in twins if isinstance(twins, tuple) else (twins,):
             if twin.shape == got.shape and np.allclose(
-                np.nan_to_num(got), np.nan_to_num(twin), rtol=RTOL, atol=ATOL
+                np.nan_to_num(got), np.nan_to_num(twin), rtol=rtol, atol=atol
             ):
                 raise Failed(hint)
     if np.isnan(got).any() and not np.isnan(expected).any():
         where = tuple(int(i) for i in np.argwhere(np.isnan(got))[0])
         raise Failed(f"{what} holds NaN (first at index {where})")
-    with np.errstate(invalid="ignore"):
-        error = np.abs(got.astype(float) - expected)
-    where = np.unravel_index(np.nanargmax(error), error.shape)
-    raise Failed(
-        f"{what} differs from the package's result by up to "
-        f"{error[where]:.3g}: at index {tuple(int(i) for i in where)} it is "
-        f"{got[where]:.4g}, expected {expected[where]:.4g}"
+    raise Failed(difference(got, expected, what, rtol, atol))
+
+
+def scale_of(expected: Array) -> float:
+    """The largest finite magnitude of ``expected``, at least 1."""
+    finite = np.abs(expected[np.isfinite(expected)])
+    return max(1.0, float(finite.max())) if finite.size else 1.0
+
+
+def difference(
+    got: Array, expected: Array, what: str, rtol: float, atol: float
+) -> str:
+    """Where ``got`` is farthest outside the tolerance, in enough digits."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        error = np.abs(got.astype(np.float64) - expected)
+        outside = np.nan_to_num(
+            error / (atol + rtol * np.abs(expected)), nan=np.inf
+        )
+    where = np.unravel_index(np.argmax(outside), outside.shape)
+    index = tuple(int(i) for i in where)
+    it, then = distinct(float(got[where]), float(expected[where]))
+    count = int((outside > 1).sum())
+    return (
+        f"{what} differs from the package's result at {count} of "
+        f"{got.size} places; the farthest, at index {index}: it is {it}, "
+        f"expected {then} (a {got.dtype} result may be off by "
+        f"{atol + rtol * abs(float(expected[where])):.1g} there)"
     )
+
+
+def distinct(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` printed with as few digits as tell them apart."""
+    for digits in range(4, 18):
+        first, second = f"{a:#.{digits}g}", f"{b:#.{digits}g}"
+        if first != second:
+            break
+    return first, second
 
 
 def compare_mask(got: Array, expected: Array, mistakes: dict) -> None:
@@ -232,13 +341,16 @@ def describe(value: Any) -> str:
     return repr(value)
 
 
-# A message fits a code cell's output box even inside a solution's dropdown.
-WIDTH = 74
+# A message fits a phone's code cell (about 60 characters), and the first
+# line leaves room for the "AssertionError: " a traceback prints before it.
+WIDTH = 60
+PREFIX = len("AssertionError: ")
 
 
 def wrap(title: str, detail: str) -> str:
     """The message, in lines of at most ``WIDTH`` characters."""
-    lines = textwrap.wrap(title, WIDTH)
+    lines = textwrap.wrap(title, WIDTH, initial_indent=" " * PREFIX)
+    lines[0] = lines[0][PREFIX:]
     for paragraph in detail.split("\n"):
         lines += textwrap.wrap(
             paragraph, WIDTH, initial_indent="  ", subsequent_indent="  "

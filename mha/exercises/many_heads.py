@@ -18,7 +18,7 @@ from .checker import (
     output_and_weights,
     short,
 )
-from .one_head import attend
+from .one_head import KEEPDIMS, attend
 
 _AXES = {
     (2, 3, 4, 5): "(B, T, H, d_k): the heads' axis is after T; swap the axes "
@@ -38,6 +38,7 @@ def check_split_heads(
     Catches: a reshape to (B, H, T, d_k) without a transpose; heads taking
     every H-th column; the axes in the wrong order.
     """
+    __tracebackhide__ = True  # tracebacks show the caller's line
     checker = Checker("check_split_heads", fn, framework)
     rng = np.random.default_rng(2)
     # B = 2, T = 3, H = 4, d_k = 5: every axis has its own length
@@ -87,6 +88,7 @@ def check_merge_heads(
     The inverse of the split. Catches: a reshape without moving the heads
     back behind T; interleaving the heads' columns.
     """
+    __tracebackhide__ = True  # tracebacks show the caller's line
     checker = Checker("check_merge_heads", fn, framework)
     rng = np.random.default_rng(3)
     heads = rng.normal(size=(2, 4, 3, 5))  # (B, H, T, d_k)
@@ -133,12 +135,17 @@ def check_multi_head_attention(
     ``x @ w_v``); the heads' outputs side by side are multiplied by ``w_o``.
     ``x`` is (T, D) or (B, T, D), the masks it gets are (T, T); ``fn``
     returns the output, or ``(output, weights)`` with weights
-    (..., H, T, T). Catches: a split or merge without
-    a transpose; a scale of 1/sqrt(D); the softmax over the queries; heads
-    taking every H-th column; ``w_o`` left out; ``True`` read as "blocked";
-    NaN for a query that may attend to nothing.
+    (..., H, T, T). Catches: a split or merge without a transpose; a scale
+    of 1/sqrt(D); the softmax over the queries or over the heads; a softmax
+    without keepdims (from the error it raises); heads taking every H-th
+    column; H and d_k swapped; torch's (out, in) weight layout
+    (``x @ w.T``); ``w_o`` left out, or only its diagonal blocks used; heads
+    that read only their own slice of ``x``; ``True`` read as "blocked";
+    NaN, or the mean of the values (blocking with -1e9), for a query that
+    may attend to nothing.
     """
-    checker = Checker("check_multi_head_attention", fn, framework)
+    __tracebackhide__ = True  # tracebacks show the caller's line
+    checker = Checker("check_multi_head_attention", fn, framework, KEEPDIMS)
     rng = np.random.default_rng(4)
     # B = 2, T = 5, D = 12, H = 3, d_k = 4
     x = rng.normal(size=(2, 5, 12))
@@ -172,7 +179,7 @@ def check_multi_head_attention(
     @checker.item("H = 1 is chapter 1's single head, with W_O")
     def _() -> None:
         output, _ = output_and_weights(checker.call(x, *w, 1))
-        compare(output, mha(x, w, 1), "the output")
+        compare(output, mha(x, w, 1), "the output", _mha_mistakes(x, w, 1))
 
     @checker.item("odd head widths: D = 14, H = 2 (d_k = 7)")
     def _() -> None:
@@ -213,15 +220,47 @@ def check_multi_head_attention(
                 "and the softmax computed 0 / 0. Give such a row zero "
                 "weights (the package's softmax does), so it outputs zeros"
             )
-        compare(output, mha(x, w, 3, empty), "the masked output")
+        compare(
+            output,
+            mha(x, w, 3, empty),
+            "the masked output",
+            {
+                "query 0, whose keys are all blocked, got the mean of the "
+                "values: blocking with a large negative number (-1e9) "
+                "leaves every key of the row tied, so the softmax spreads "
+                "the weight evenly. Block with -inf and give an empty row "
+                "zero weights": (
+                    mha(x, w, 3, empty, fill=-1e9),
+                    mha(x, w, 3, empty, additive=-1e9),
+                )
+            },
+        )
 
     checker.run(verbose)
 
 
-def _mha_mistakes(x: Array, w: tuple, h: int) -> dict[str, Array]:
+def _mha_mistakes(
+    x: Array, w: tuple, h: int
+) -> dict[str, Array | tuple[Array, ...]]:
     """The typical wrong multi-head layers, by the hint that names them."""
     d = x.shape[-1]
+    w_q, w_k, w_v, w_o = w
+    names = ("w_q", "w_k", "w_v", "w_o")
+    # torch's nn.Linear stores (out, in) and computes x @ weight.T; here the
+    # matrices are (in, out): any of them used transposed
+    transposed = {
+        ", ".join(names[i] for i in which): multi_head(
+            x, *(m.T if i in which else m for i, m in enumerate(w)), h
+        )
+        for which in _subsets(4)
+    }
+    blocks = [_block_diagonal(m, h) for m in w]
     return {
+        **{
+            f"{used} used as torch's nn.Linear stores them, (out, in) "
+            "(x @ w.T): here the matrices are (in, out), x @ w": twin
+            for used, twin in transposed.items()
+        },
         "the projections were reshaped straight to (B, H, T, d_k) without a "
         "transpose, so a 'head' mixes the rows of several tokens: reshape to "
         "(B, T, H, d_k), then swap T and H": multi_head(
@@ -243,7 +282,41 @@ def _mha_mistakes(x: Array, w: tuple, h: int) -> dict[str, Array]:
         "h*d_k to (h+1)*d_k - 1": multi_head(x, *w, h, split="interleaved"),
         "W_O was left out: the heads' outputs side by side are multiplied "
         "by w_o": multi_head(x, *w, h, use_w_o=False),
+        "the softmax ran over the heads (axis -3, axis=1 of (B, H, T, T)): "
+        "each query's weights must sum to 1 over the keys, axis=-1": (
+            multi_head(x, *w, h, axis=-3)
+        ),
+        "H and d_k were swapped: the split made D / H heads of width H. "
+        "Reshape to (B, T, H, d_k), with H = num_heads and d_k = D / H": (
+            multi_head(x, *w, d // h),
+            multi_head(x, *w, d // h, scale=1 / np.sqrt(d // h)),
+        ),
+        "only W_O's diagonal blocks were used (each head's output times "
+        "its own d_k x d_k block): W_O mixes the heads, so the heads side "
+        "by side, (T, D), are multiplied by all of w_o": multi_head(
+            x, w_q, w_k, w_v, blocks[3], h
+        ),
+        "each head read only its own slice of x (x[..., h*d_k:(h+1)*d_k] "
+        "times a d_k x d_k block of w_q): every head reads all D columns "
+        "of x, and its d_k columns of x @ w_q are its queries": (
+            multi_head(x, *blocks[:3], w_o, h),
+            multi_head(x, *blocks, h),
+        ),
     }
+
+
+def _subsets(n: int) -> list[tuple[int, ...]]:
+    """The non-empty subsets of range(n), as sorted tuples."""
+    return [
+        tuple(i for i in range(n) if mask >> i & 1) for mask in range(1, 2**n)
+    ]
+
+
+def _block_diagonal(matrix: Array, num_heads: int) -> Array:
+    """``matrix`` with only its H diagonal blocks of d_k x d_k kept."""
+    d_k = matrix.shape[0] // num_heads
+    head = np.arange(matrix.shape[0]) // d_k
+    return np.where(head[:, None] == head[None, :], matrix, 0.0)
 
 
 def interleaved(x: Array, num_heads: int) -> Array:
@@ -267,8 +340,15 @@ def multi_head(
     scale: float | None = None,
     axis: int = -1,
     use_w_o: bool = True,
+    fill: float = -np.inf,
+    additive: float | None = None,
+    softmax: Callable[..., Array] = reference.softmax,
 ) -> Array:
-    """Multi-head attention, right or with one of the known mistakes."""
+    """Multi-head attention, right or with one of the known mistakes.
+
+    ``fill`` replaces blocked scores; ``additive`` is added to them instead
+    (a mask of 0 and -1e9).
+    """
     *lead, t, d = x.shape
     d_k = d // num_heads
 
@@ -280,7 +360,14 @@ def multi_head(
         return reference.split_heads(y, num_heads)
 
     q, k, v = heads(x @ w_q), heads(x @ w_k), heads(x @ w_v)
-    out = attend(q, k, v, mask, scale=scale, axis=axis)  # (..., H, T, d_k)
+    if mask is not None and additive is not None:
+        # the mask as numbers added to the scores; what the softmax gets
+        extra, mask, plain = np.where(mask, 0.0, additive), None, softmax
+        softmax = lambda s, axis=-1: plain(s + extra, axis=axis)  # noqa: E731
+
+    out = attend(
+        q, k, v, mask, scale=scale, axis=axis, fill=fill, softmax=softmax
+    )  # (..., H, T, d_k)
     if merge == "no-transpose":
         merged = out.reshape(*lead, t, d)
     else:

@@ -9,8 +9,6 @@ import numpy as np
 from .. import reference
 from .._validate import check_choice
 from .checker import (
-    ATOL,
-    RTOL,
     Array,
     Checker,
     Failed,
@@ -19,6 +17,7 @@ from .checker import (
     compare_mask,
     expect_shape,
     normal_arrays,
+    tolerance,
 )
 
 
@@ -37,6 +36,7 @@ def check_causal_mask(
     Catches: True marking the future; the diagonal left out; the upper
     triangle; the other alignment; an additive float mask.
     """
+    __tracebackhide__ = True  # tracebacks show the caller's line
     check_choice("align", align, ("top-left", "bottom-right"))
     checker = Checker("check_causal_mask", fn, framework)
     other = "bottom-right" if align == "top-left" else "top-left"
@@ -115,6 +115,7 @@ def check_rope(
     frequencies ``base**(-i / d_k)``; the positions of row 0 used for every
     row.
     """
+    __tracebackhide__ = True  # tracebacks show the caller's line
     from ..positions import apply_rope
 
     checker = Checker("check_rope", fn, framework)
@@ -149,17 +150,21 @@ def check_rope(
     def _() -> None:
         q, k = normal_arrays(rng, (1, 1, 1, 8), (1, 1, 1, 8))
 
+        dtypes = []
+
         def score(m, n):
             q_m = as_array(checker.call(q, np.array([m])))
             k_n = as_array(checker.call(k, np.array([n])))
+            dtypes.extend((q_m.dtype, k_n.dtype))
             return float(np.sum(q_m * k_n))
 
         pairs = [(5, 2), (9, 6), (3, 0), (20, 17)]  # offset 3 each
         scores = [score(m, n) for m, n in pairs]
-        if not np.allclose(scores, scores[0], rtol=RTOL, atol=ATOL):
+        rtol, atol = tolerance(np.result_type(*dtypes))
+        if not np.allclose(scores, scores[0], rtol=rtol, atol=atol):
             raise Failed(
                 "q at m and k at n scored "
-                + ", ".join(f"{s:.4f}" for s in scores)
+                + ", ".join(f"{s:.6g}" for s in scores)
                 + " for (m, n) = "
                 + ", ".join(map(str, pairs))
                 + ": the same offset must give the same score. Turn q and k "
@@ -216,6 +221,7 @@ def check_padded_positions(
     the start of the row, padding included (RoPE then turns the prompt as
     if it started later); counting from 1.
     """
+    __tracebackhide__ = True  # tracebacks show the caller's line
     checker = Checker("check_padded_positions", fn, framework)
     keep = np.array(
         [

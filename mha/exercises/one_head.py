@@ -30,14 +30,16 @@ def check_softmax(
     maximum subtracted (overflow to NaN); one maximum for the whole array
     (underflow to 0/0); NaN for a row of ``-inf``; changing ``x`` in place.
     """
+    __tracebackhide__ = True  # tracebacks show the caller's line
     checker = Checker(
         "check_softmax",
         fn,
         framework,
         {
-            "broadcast": "A maximum or a sum taken without keepdims=True "
-            "has lost the axis it ran along, and does not line up with the "
-            "rows: use x.max(axis=axis, keepdims=True)"
+            words: "A maximum or a sum taken without keepdims=True has lost "
+            "the axis it ran along, and does not line up with the rows: use "
+            "x.max(axis=axis, keepdims=True)"
+            for words in KEEPDIMS
         },
     )
     rng = np.random.default_rng(0)
@@ -161,6 +163,7 @@ def check_scaled_dot_product_attention(
     read as "blocked"; a mask applied after the softmax; NaN or the mean of
     the values for a query that may attend to nothing; leading axes ignored.
     """
+    __tracebackhide__ = True  # tracebacks show the caller's line
     checker = Checker(
         "check_scaled_dot_product_attention",
         fn,
@@ -168,7 +171,8 @@ def check_scaled_dot_product_attention(
         {
             "matmul": "If it was the scores, q @ k: transpose k's last two "
             "axes (np.swapaxes(k, -1, -2)), so (T_q, d_k) @ (d_k, T_k) gives "
-            "(T_q, T_k)."
+            "(T_q, T_k).",
+            **KEEPDIMS,
         },
     )
     rng = np.random.default_rng(1)
@@ -280,6 +284,20 @@ def check_scaled_dot_product_attention(
     checker.run(verbose)
 
 
+# The words of NumPy's and torch's broadcasting errors, and what, inside a
+# softmax, usually causes them.
+KEEPDIMS_HINT = (
+    "If it was the softmax: a maximum or a sum taken without "
+    "keepdims=True has lost the axis it ran along, and does not line up "
+    "with the rows. Use scores.max(axis=-1, keepdims=True) (torch: "
+    "keepdim=True)."
+)
+KEEPDIMS = {
+    "could not be broadcast": KEEPDIMS_HINT,
+    "must match the size of tensor": KEEPDIMS_HINT,
+}
+
+
 def attention_weights(q: Array, k: Array) -> Array:
     return reference.scaled_dot_product_attention(q, k, k[..., :1])[1]
 
@@ -292,11 +310,14 @@ def attend(
     *,
     scale: float | None = None,
     axis: int = -1,
+    fill: float = -np.inf,
+    softmax: Callable[..., Array] = reference.softmax,
 ) -> Array:
-    """Scaled dot-product attention with a chosen scale and softmax axis."""
+    """Scaled dot-product attention with a chosen scale, softmax axis, value
+    for blocked scores, and softmax."""
     if scale is None:
         scale = 1.0 / np.sqrt(q.shape[-1])
     scores = q @ np.swapaxes(k, -1, -2) * scale  # (..., T_q, T_k)
     if mask is not None:
-        scores = np.where(mask, scores, -np.inf)
-    return reference.softmax(scores, axis=axis) @ v
+        scores = np.where(mask, scores, fill)
+    return softmax(scores, axis=axis) @ v

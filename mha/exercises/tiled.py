@@ -34,6 +34,7 @@ def check_kv_cache_update(
     building new arrays and leaving the buffers unwritten; returning copies;
     writing past ``max_len`` without an error.
     """
+    __tracebackhide__ = True  # tracebacks show the caller's line
     checker = Checker("check_kv_cache_update", fn, framework)
     rng = np.random.default_rng(6)
     shape = (2, 3, 8, 4)  # (B, H_kv, max_len, d_k)
@@ -156,6 +157,7 @@ def check_online_softmax_step(
     grows; the rescale inverted; the block's maximum in place of the running
     one; the exponentials of the raw scores (overflow).
     """
+    __tracebackhide__ = True  # tracebacks show the caller's line
     checker = Checker("check_online_softmax_step", fn, framework)
     rng = np.random.default_rng(7)
     # four blocks of 3 keys for 2 queries; the maxima go up, down, far up

@@ -57,7 +57,8 @@ KERNELS = ("forward", "backward_dk_dv", "backward_dq", "split_kv")
 
 # Default tiles, chosen by compiling every kernel ahead of time (python -m
 # mha.kernels --inspect) so that no build spills registers to local memory
-# (at d_k 64, 128 and 256) and every program's shared memory fits the GPU:
+# (at d_k 64, 80, 96, 128, 192 and 256, causal or not: 288 builds) and every
+# program's shared memory fits the GPU:
 # (kernel, arch, bytes per element, padded head size) -> Tiles. Float32
 # products are computed in full float32 by the CUDA cores (no tensor cores),
 # which needs far more registers: smaller tiles, more warps. "sm_80" also
