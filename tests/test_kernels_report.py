@@ -75,6 +75,14 @@ def test_a_learners_attention_kernel_beside_the_books():
         assert row["hmma"] + row["hgmma"] > 0  # float16 products on the tensor cores
     learner = rows[0]
     assert (learner["block_q"], learner["block_k"], learner["num_warps"]) == (32, 32, 4)
+    assert learner["constexprs"] == {
+        "CAUSAL": True,
+        "HEAD_DIM": 64,
+        "D_PAD": 64,
+        "BLOCK_Q": 32,
+        "BLOCK_K": 32,
+        "MISTAKE": "",
+    }
     assert rows[0]["hgmma"] == 0 and rows[1]["hgmma"] == 0  # no warpgroup products on sm_80
 
     # the book's rows are the builds `python -m mha.kernels --inspect` committed

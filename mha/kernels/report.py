@@ -51,11 +51,12 @@ def compile_report(
 
     Returns rows as ``python -m mha.kernels --inspect`` prints them (kernel,
     arch, dtype, head_dim, causal, block_q, block_k, num_warps, num_stages,
-    registers, stack_bytes, spill_bytes, shared_bytes, hmma, hgmma, ...):
-    first your kernels', then, where the first three example arguments are
-    q (B, H, T_q, d) and k, v (B, H_kv, T_k, d), the book's forward kernel
-    (``"forward (book)"``) at its default tiles for the same shapes and
-    ``causal`` (the first bool among the arguments).
+    registers, stack_bytes, spill_bytes, shared_bytes, hmma, hgmma, ...,
+    and for your kernels their ``constexprs``): first your kernels', then,
+    where the first three example arguments are q (B, H, T_q, d) and k, v
+    (B, H_kv, T_k, d), the book's forward kernel (``"forward (book)"``) at
+    its default tiles for the same shapes and ``causal`` (the first bool
+    among the arguments).
 
     Raises:
         ValueError: an arch other than sm_80 and sm_90, or ``fn`` launched
@@ -338,7 +339,9 @@ def _learner_row(kernel, launch: dict, arch: str, request: dict) -> dict:
     }
     for key, names in TILE_NAMES.items():
         row[key] = next((constants[n] for n in names if n in constants), None)
-    return {**row, **_compile(kernel, args, constants, arch), "cubin": None}
+    compiled = _compile(kernel, args, constants, arch)
+    specialised = {k: v for k, v in constants.items() if k not in OPTIONS}
+    return {**row, **compiled, "constexprs": specialised, "cubin": None}
 
 
 def _book_row(book: dict, arch: str) -> dict:
