@@ -22,6 +22,7 @@ pin it (``tests/test_rooms.py`` keeps the table true):
 * :mod:`mha.kernels` - Triton attention kernels
 * :mod:`mha.parallel` - heads across processes
 * :mod:`mha.variants` - masks and scores as functions, FlexAttention
+* :mod:`mha.latent` - multi-head latent attention (MLA) and its cache
 
 The order inside a topic: the NumPy reference first, then the torch or fast
 version, tests that pin one to the other, a benchmark entry, the chapter.
@@ -67,6 +68,8 @@ _LAZY = {
     "copy_to_ranks": "mha.parallel",
     "sum_over_ranks": "mha.parallel",
     "RollingKVCache": "mha.variants",
+    "MultiHeadLatentAttention": "mha.latent",
+    "LatentKVCache": "mha.latent",
 }
 
 __all__ = [*reference.__all__, *_LAZY]
