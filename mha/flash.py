@@ -113,6 +113,13 @@ def ungroup_heads(x, grouped: bool):
     return x.reshape(tuple(x.shape[:-4]) + (-1,) + tuple(x.shape[-2:]))
 
 
+def sink_rows(sinks, q, grouped: bool):
+    """(H,) sink logits shaped as the grouped queries' rows: (H_kv, G, 1),
+    or (H, 1, 1), to broadcast over (..., H_kv, G, T_q)."""
+    kv_heads = q.shape[-4] if grouped else None
+    return group_queries(sinks.reshape(-1, 1, 1), kv_heads)[..., 0]
+
+
 def key_blocks(
     rows: slice, t_q: int, t_k: int, block_k: int, causal: bool
 ) -> Iterator[slice]:
@@ -138,17 +145,24 @@ def causal_keep(rows: slice, cols: slice, offset: int) -> NDArray[np.bool_]:
     return key <= query + offset
 
 
-def online_softmax(q_tile, k, v, rows, key_tiles, offset, causal, scale):
+def online_softmax(
+    q_tile, k, v, rows, key_tiles, offset, causal, scale, sink=None
+):
     """Stream key tiles past one query tile; their summaries ``(m, ell, acc)``.
 
     ``m`` is each query's running maximum, ``ell`` its sum of ``exp(score -
     m)`` and ``acc`` its sum of those exponentials times the values: after
     the last tile, ``acc / ell`` is the output and ``m + log(ell)`` the
     logsumexp. A query whose scores are all masked keeps ``m = -inf`` and
-    ``ell = 0``.
+    ``ell = 0``. A learned ``sink`` logit (broadcastable to the rows) is one
+    more term in ``ell`` with no value: the sums start at ``m = sink``,
+    ``ell = exp(sink - m) = 1``, ``acc = 0``.
     """
     m = np.full(q_tile.shape[:-1], -np.inf, dtype=q_tile.dtype)  # (..., B_q)
     ell = np.zeros_like(m)  # running sum of exp(score - m)
+    if sink is not None:  # the sink's column, before any key
+        m = np.broadcast_to(sink, m.shape).astype(m.dtype)  # (..., B_q)
+        ell = np.ones_like(m)  # exp(sink - m), and no value in acc
     acc = np.zeros(q_tile.shape[:-1] + v.shape[-1:], dtype=q_tile.dtype)
     for cols in key_tiles:
         k_tile, v_tile = k[..., cols, :], v[..., cols, :]  # (..., B_k, d)
@@ -188,6 +202,7 @@ def flash_attention(
     block_q: int = DEFAULT_BLOCK,
     block_k: int = DEFAULT_BLOCK,
     scale: float | None = None,
+    sinks: ArrayLike | None = None,
 ) -> tuple[Array, Array]:
     """softmax(q k^T * scale) v, one (block_q, block_k) tile at a time.
 
@@ -198,13 +213,21 @@ def flash_attention(
         causal: bottom-right aligned: query i sees keys 0..i + T_k - T_q.
         block_q, block_k: queries and keys per tile; T need not be a multiple.
         scale: default ``1 / sqrt(d_k)``.
+        sinks: (H,) learned sink logits (gpt-oss), one more term in each
+            row's softmax that carries no value; None for none.
 
     Returns:
         ``(out, logsumexp)``: (..., H, T_q, d_v) and (..., H, T_q), where
         ``logsumexp[i] = log(sum_j exp(scores[i, j]))`` over the keys i sees
-        (``-inf``, with a zero output row, where it sees none).
+        (``-inf``, with a zero output row, where it sees none), the sink's
+        ``exp(s_h)`` included in the sum.
     """
+    q_shape = np.shape(q)
     q, k, v, scale, grouped = _check_numpy(q, k, v, scale)
+    sink = None
+    if sinks is not None:
+        sinks = _check_sinks(sinks, q_shape, q.dtype)
+        sink = sink_rows(sinks, q, grouped)  # (H_kv, G, 1) or (H, 1, 1)
     _check_blocks(block_q=block_q, block_k=block_k)
     t_q, t_k, d_v = q.shape[-2], k.shape[-2], v.shape[-1]
     out = np.empty(q.shape[:-1] + (d_v,), dtype=q.dtype)  # (..., T_q, d_v)
@@ -213,7 +236,15 @@ def flash_attention(
         rows = slice(q_start, min(q_start + block_q, t_q))
         key_tiles = key_blocks(rows, t_q, t_k, block_k, causal)
         summaries = online_softmax(
-            q[..., rows, :], k, v, rows, key_tiles, t_k - t_q, causal, scale
+            q[..., rows, :],
+            k,
+            v,
+            rows,
+            key_tiles,
+            t_k - t_q,
+            causal,
+            scale,
+            sink,
         )
         out[..., rows, :], logsumexp[..., rows] = finish(*summaries)
     return ungroup_heads(out, grouped), ungroup_heads(
@@ -423,10 +454,12 @@ def _tiled_forward(
     block_q: int,
     block_k: int,
     scale: float,
+    sink: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`flash_attention` in torch; running sums in float32 or wider.
 
-    q (..., G, T_q, d_k), k and v (..., 1, T_k, d): grouped heads.
+    q (..., G, T_q, d_k), k and v (..., 1, T_k, d): grouped heads; ``sink``
+    the sink logits shaped by :func:`sink_rows`, or None.
     """
     t_q, t_k = q.shape[-2], k.shape[-2]
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
@@ -441,6 +474,9 @@ def _tiled_forward(
             q_tile.shape[:-1], -math.inf, dtype=acc_dtype, device=q.device
         )  # (..., B_q)
         ell = torch.zeros_like(m)
+        if sink is not None:  # the sink's column, before any key
+            m = torch.maximum(m, sink.to(acc_dtype))  # (..., B_q): the sink
+            ell = torch.ones_like(m)  # exp(sink - m), and no value in acc
         acc = torch.zeros(
             q_tile.shape[:-1] + v.shape[-1:], dtype=acc_dtype, device=q.device
         )  # (..., B_q, d_v)
@@ -529,22 +565,30 @@ class FlashAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, block_q, block_k, scale):
+    def forward(ctx, q, k, v, causal, block_q, block_k, scale, sinks=None):
         *grouped_qkv, grouped = group_heads(q, k, v)
+        sink = (
+            None
+            if sinks is None
+            else sink_rows(sinks, grouped_qkv[0], grouped)
+        )
         out, logsumexp = _tiled_forward(
-            *grouped_qkv, causal, block_q, block_k, scale
+            *grouped_qkv, causal, block_q, block_k, scale, sink
         )
         out = ungroup_heads(out, grouped)  # (..., H, T_q, d_v)
         logsumexp = ungroup_heads(logsumexp[..., None], grouped)[..., 0]
-        ctx.save_for_backward(q, k, v, out, logsumexp)
+        ctx.save_for_backward(q, k, v, out, logsumexp, sinks)
         ctx.settings = (causal, block_q, block_k, scale)
         return out, logsumexp
 
     @staticmethod
     def backward(ctx, d_out, d_logsumexp):
-        q, k, v, out, logsumexp = ctx.saved_tensors
+        q, k, v, out, logsumexp, sinks = ctx.saved_tensors
         if d_out is None:
             d_out = torch.zeros_like(out)
+        d_sinks = None
+        if sinks is not None and ctx.needs_input_grad[7]:
+            d_sinks = _sink_gradient(sinks, out, logsumexp, d_out, d_logsumexp)
         q, k, v, grouped = group_heads(q, k, v)
         h_kv = k.shape[-4] if grouped else None
         out, d_out = group_queries(out, h_kv), group_queries(d_out, h_kv)
@@ -555,7 +599,29 @@ class FlashAttention(torch.autograd.Function):
             q, k, v, out, logsumexp, d_out, d_logsumexp, *ctx.settings
         )
         grads = ungroup_heads(dq, grouped), dk[..., 0, :, :], dv[..., 0, :, :]
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, d_sinks)
+
+
+def _sink_gradient(
+    sinks: Tensor,
+    out: Tensor,
+    logsumexp: Tensor,
+    d_out: Tensor,
+    d_logsumexp: Tensor | None,
+) -> Tensor:
+    """d loss / d s_h: the sink's column has weight ``p = exp(s_h -
+    logsumexp)`` and no value, so its score gradient is ``p (0 - delta)``
+    with ``delta = sum(d_out * out)`` per row (minus the logsumexp's own
+    gradient), summed over every row of head h. out (..., H, T_q, d_v)."""
+    acc_dtype = logsumexp.dtype
+    delta = (d_out.to(acc_dtype) * out.to(acc_dtype)).sum(
+        dim=-1
+    )  # (.., H, T_q)
+    if d_logsumexp is not None:
+        delta = delta - d_logsumexp.to(acc_dtype).nan_to_num(0.0)
+    p_sink = torch.exp(sinks.to(acc_dtype)[:, None] - logsumexp)
+    d_sink = -(p_sink * delta)  # (..., H, T_q)
+    return d_sink.flatten(0, -3).sum(dim=(0, 2)).to(sinks.dtype)  # (H,)
 
 
 def flash_attention_torch(
@@ -567,6 +633,7 @@ def flash_attention_torch(
     block_q: int = DEFAULT_BLOCK,
     block_k: int = DEFAULT_BLOCK,
     scale: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`flash_attention` for torch tensors, differentiable.
 
@@ -578,13 +645,21 @@ def flash_attention_torch(
             other leading axes.
         causal, block_q, block_k, scale: as in :func:`flash_attention`
             (``causal`` bottom-right aligned).
+        sinks: (H,) learned sink logits, differentiable, or None: as in
+            :func:`flash_attention`.
 
     Returns:
         ``(out, logsumexp)``: (..., H, T_q, d_v) in the inputs' dtype and
         (..., H, T_q) in float32 (float64 for float64 inputs).
     """
     scale = _check_torch(q, k, v, block_q, block_k, scale)
-    return FlashAttention.apply(q, k, v, bool(causal), block_q, block_k, scale)
+    if sinks is not None:
+        check_tensor("sinks", sinks)
+        _check_sinks(sinks, tuple(q.shape), None)
+        check_same("q and sinks", (q, sinks))
+    return FlashAttention.apply(
+        q, k, v, bool(causal), block_q, block_k, scale, sinks
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -642,6 +717,31 @@ def _check_numpy(q, k, v, scale):
         for t in (q, k, v)
     )
     return q, k, v, scale, grouped
+
+
+def _check_sinks(sinks, q_shape: tuple, dtype):
+    """(H,) finite logits, H the heads of q (..., H, T_q, d_k); as an array
+    of ``dtype``, or the tensor itself."""
+    if len(q_shape) < 3:
+        raise ValueError(
+            "sinks need a head axis: q must have shape (..., H, T_q, d_k), "
+            f"got shape {tuple(q_shape)}"
+        )
+    is_tensor = isinstance(sinks, Tensor)
+    array = sinks if is_tensor else np.asarray(sinks)
+    if tuple(array.shape) != (q_shape[-3],):
+        raise ValueError(
+            f"sinks must have shape (H,) = ({q_shape[-3]},), one logit per "
+            f"query head, got shape {tuple(array.shape)}"
+        )
+    if is_tensor:
+        finite = bool(torch.isfinite(array).all())
+    else:
+        array = array.astype(dtype)
+        finite = bool(np.isfinite(array).all())
+    if not finite:
+        raise ValueError("sinks must be finite logits, got inf or NaN")
+    return array
 
 
 def _check_saved(q, v, grouped, out, logsumexp, d_out):

@@ -48,6 +48,7 @@ __all__ = [
     "alibi_bias",
     "softcap",
     "attention_with_score_mod",
+    "attention_with_sinks",
     "multi_head_latent_attention",
 ]
 
@@ -399,6 +400,40 @@ def attention_with_score_mod(
     return weights @ v, weights  # (..., T_q, d_v), (..., T_q, T_k)
 
 
+def attention_with_sinks(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    sinks: ArrayLike,
+    mask: ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+) -> tuple[Array, Array]:
+    """Attention with a learned sink per head (gpt-oss): one more logit in
+    every row's softmax, which takes weight and gives no value.
+
+    q (..., H, T_q, d_k), k (..., H, T_k, d_k), v (..., H, T_k, d_v);
+    ``sinks`` (H,): head h's sink logit ``s_h``. The weights are
+    ``exp(score_ij) / (exp(s_h) + sum_j exp(score_ij))``: they sum to less
+    than 1, and what is missing went to the sink. A row whose keys are all
+    masked gives zeros. Returns ``(output, weights)``, (..., H, T_q, d_v)
+    and (..., H, T_q, T_k) (the sink's column dropped).
+    """
+    q, k, v, mask = check_attention_inputs(q, k, v, mask)
+    sinks = _check_sinks(sinks, q.shape)
+    if scale is None:
+        scale = 1.0 / np.sqrt(q.shape[-1])
+    scores = (q @ np.swapaxes(k, -1, -2)) * scale  # (..., H, T_q, T_k)
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)
+    sink_column = np.broadcast_to(
+        sinks[:, None, None], scores.shape[:-1] + (1,)
+    )  # (..., H, T_q, 1)
+    weights = softmax(np.concatenate((scores, sink_column), -1), axis=-1)
+    weights = weights[..., :-1]  # the sink's share is dropped: no value
+    return weights @ v, weights  # (..., H, T_q, d_v), (..., H, T_q, T_k)
+
+
 # -----------------------------------------------------------------------------
 # Multi-head latent attention (DeepSeek-V2/V3): the twin of mha.latent.
 
@@ -584,6 +619,20 @@ def _check_scores(x: ArrayLike) -> Array:
             "x must not contain +inf (use -inf to exclude an entry)"
         )
     return x
+
+
+def _check_sinks(sinks: ArrayLike, q_shape: tuple[int, ...]) -> Array:
+    """One finite sink logit per query head: shape (H,)."""
+    sinks = _as_float_array("sinks", sinks)
+    if q_shape[:-2] == () or sinks.shape != (q_shape[-3],):
+        heads = q_shape[-3] if len(q_shape) > 2 else "H"
+        raise ValueError(
+            f"sinks must have shape (H,) = ({heads},), one logit per query "
+            f"head of q (..., H, T_q, d_k) {q_shape}, got shape {sinks.shape}"
+        )
+    if not np.isfinite(sinks).all():
+        raise ValueError("sinks must be finite logits, got inf or NaN")
+    return sinks
 
 
 def check_attention_inputs(
