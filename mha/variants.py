@@ -16,7 +16,8 @@ kernel that visits only the tiles that are not empty.
 Here: mask_mods :func:`causal`, :func:`sliding_window`, :func:`sink_window`,
 :func:`document`, :func:`prefix_lm`; score_mods :func:`alibi`,
 :func:`softcap`; :func:`flex`, which checks its inputs, builds the block mask
-and calls FlexAttention; :func:`tile_states`, what a block mask skips;
+and calls FlexAttention (with learned sinks, gpt-oss's, as one more key
+column: :func:`sink_column`); :func:`tile_states`, what a block mask skips;
 :class:`RollingKVCache`, the ``window`` newest keys and values of a
 sliding-window decoder. Each function has a dense NumPy twin in
 :mod:`mha.reference` (``sliding_window_mask``, ``sink_window_mask``,
@@ -71,6 +72,7 @@ __all__ = [
     "apply_score_mod",
     "block_mask",
     "flex",
+    "sink_column",
     "tile_states",
     "RollingKVCache",
 ]
@@ -281,6 +283,7 @@ def flex(
     q_offset: int | None = None,
     block_size: int = 128,
     compiled: bool = True,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """FlexAttention of q (B, H, T_q, d_k), k (B, H_kv, T_k, d_k) and v
     (B, H_kv, T_k, d_v).
@@ -300,8 +303,28 @@ def flex(
     d_v). (torch keeps at most ``torch._dynamo.config.recompile_limit``
     compiled versions of one function, 8 by default; past them it runs
     FlexAttention unfused, with a warning.)
+
+    ``sinks`` (H,): learned sink logits (gpt-oss), one more term in each
+    row's softmax with no value: a key at position T_k whose value is zero
+    and whose score is ``s_h`` (:func:`sink_column`), seen by every query.
     """
     _check_flex(q, k, v, score_mod)
+    if sinks is not None:
+        _check_sinks(sinks, q)
+        if block_mask is not None:
+            raise ValueError(
+                "sinks add a key column: pass mask_mod, not a block_mask "
+                "built for T_k keys"
+            )
+        t_k = k.shape[2]
+        if mask_mod is not None:  # checked for the real keys
+            _check_mask_lengths(mask_mod, q.shape[2], t_k)
+            _check_device(mask_mod, "mask_mod", q.device)
+        mask_mod, score_mod = sink_column(sinks, t_k, mask_mod, score_mod)
+        zero = k.new_zeros(k.shape[:2] + (1,))  # (B, H_kv, 1)
+        k = torch.cat((k, zero[..., None].expand(-1, -1, 1, k.shape[3])), 2)
+        v = torch.cat((v, zero[..., None].expand(-1, -1, 1, v.shape[3])), 2)
+        q_offset = _offset(q_offset, q.shape[2], t_k)  # the keys' own T_k
     t_q, t_k = q.shape[2], k.shape[2]
     scale = check_scale(scale, q.shape[3])
     offset = _offset(q_offset, t_q, t_k)
@@ -335,6 +358,39 @@ def flex(
         scale=scale,
         enable_gqa=k.shape[1] != q.shape[1],
     )
+
+
+def sink_column(
+    sinks: Tensor,
+    num_keys: int,
+    mask_mod: MaskMod | None = None,
+    score_mod: ScoreMod | None = None,
+) -> tuple[MaskMod | None, ScoreMod]:
+    """A mask_mod and a score_mod for ``num_keys`` keys and one more, the
+    learned sinks' column at ``kv_idx = num_keys``.
+
+    The column is seen by every query and scores ``sinks[h]`` whatever the
+    query; its key and value are zeros (:func:`flex` appends them), so it
+    takes its share of each row's softmax and adds nothing. The given
+    functions decide for the real keys (they never see the column).
+    """
+    last = torch.tensor(num_keys, device=sinks.device)  # the sink's index
+
+    def real(kv_idx: Tensor) -> Tensor:
+        return torch.clamp(kv_idx, max=last - 1)  # the column: never passed
+
+    def sink_score(score, b, h, q_idx, kv_idx):
+        if score_mod is not None:
+            score = score_mod(score, b, h, q_idx, real(kv_idx))
+        return torch.where(kv_idx >= last, sinks[h].to(score.dtype), score)
+
+    if mask_mod is None:
+        return None, sink_score
+
+    def sink_mask(b, h, q_idx, kv_idx):
+        return (kv_idx >= last) | mask_mod(b, h, q_idx, real(kv_idx))
+
+    return sink_mask, sink_score
 
 
 @functools.cache
@@ -488,6 +544,23 @@ def _check_flex(
         )
     check_divisible("num_heads of q", q.shape[1], "num_heads of k", k.shape[1])
     _check_score_heads(score_mod, "q", q)
+
+
+def _check_sinks(sinks: object, q: Tensor) -> None:
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+        got = (
+            sinks.dtype if isinstance(sinks, Tensor) else type(sinks).__name__
+        )
+        raise TypeError(f"sinks must be a floating-point tensor, got {got}")
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(
+            f"sinks must have shape (H,) = ({q.shape[1]},), one logit per "
+            f"query head, got shape {tuple(sinks.shape)}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(
+            f"sinks must be on q's device {q.device}, got {sinks.device}"
+        )
 
 
 def _check_score_heads(

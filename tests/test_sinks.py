@@ -129,3 +129,63 @@ def test_bad_sinks_are_refused_by_name(rng) -> None:
         flash.flash_attention_torch(tq, tk, tk, sinks=torch.zeros(4, dtype=torch.float32))
     with pytest.raises(ValueError, match=r"\(H,\) = \(4,\)"):
         flash.flash_attention_torch(tq, tk, tk, sinks=torch.zeros(4, 1, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------------------------------
+# FlexAttention: the sinks as one more key column, with a zero value and a score of s_h
+
+
+@pytest.mark.parametrize(
+    "variant, t_q", [("causal", 37), ("causal", 5), ("window", 37), ("none", 9), ("document", 37)]
+)
+def test_flex_with_sinks_equals_the_dense_form(variant: str, t_q: int) -> None:
+    from mha import variants
+
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, t_q, 32, generator=gen)
+    k, v = torch.randn(2, 2, 37, 32, generator=gen), torch.randn(2, 2, 37, 24, generator=gen)
+    sinks = 2 * torch.randn(4, generator=gen)
+    group = 2
+    scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(32)
+    i = torch.arange(37 - t_q, 37)[:, None]  # the queries' positions: the last T_q
+    j = torch.arange(37)[None, :]
+    doc = torch.tensor([0] * 10 + [1] * 20 + [2] * 7)
+    mask_mod, keep = {
+        "causal": (variants.causal, j <= i),
+        "window": (variants.sliding_window(8), (j <= i) & (j > i - 8)),
+        "none": (None, torch.ones(t_q, 37, dtype=torch.bool)),
+        "document": (variants.document(doc), (doc[j] == doc[i]) & (j <= i)),
+    }[variant]
+    logits = torch.cat(
+        (scores.masked_fill(~keep, -math.inf), sinks[:, None, None].expand(2, 4, t_q, 1)), -1
+    )
+    expected = torch.softmax(logits, -1)[..., :-1] @ v.repeat_interleave(group, 1)
+    got = variants.flex(q, k, v, mask_mod=mask_mod, sinks=sinks, compiled=False)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_compiled_flex_with_sinks_equals_the_dense_form() -> None:
+    from mha import variants
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=gen) for _ in range(3))
+    sinks = torch.tensor([-1.0, 3.0])
+    expected, _ = dense_with_sinks(q, k, v, sinks, causal=True)
+    got = variants.flex(q, k, v, mask_mod=variants.causal, sinks=sinks)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_flex_refuses_bad_sinks() -> None:
+    from mha import variants
+
+    q = torch.zeros(1, 4, 3, 8)
+    with pytest.raises(ValueError, match=r"sinks must have shape \(H,\) = \(4,\)"):
+        variants.flex(q, q, q, sinks=torch.zeros(2), compiled=False)
+    with pytest.raises(TypeError, match="sinks must be a floating-point tensor"):
+        variants.flex(q, q, q, sinks=[0.0] * 4, compiled=False)
+    with pytest.raises(ValueError, match="needs T_q = T_k = 5"):
+        document = variants.document(torch.zeros(5, dtype=torch.int64))
+        variants.flex(q, q, q, mask_mod=document, sinks=torch.zeros(4), compiled=False)
+    mask = variants.block_mask(variants.causal, 3, 3)
+    with pytest.raises(ValueError, match="pass mask_mod, not a block_mask"):
+        variants.flex(q, q, q, block_mask=mask, sinks=torch.zeros(4), compiled=False)
