@@ -189,3 +189,38 @@ def test_flex_refuses_bad_sinks() -> None:
     mask = variants.block_mask(variants.causal, 3, 3)
     with pytest.raises(ValueError, match="pass mask_mod, not a block_mask"):
         variants.flex(q, q, q, block_mask=mask, sinks=torch.zeros(4), compiled=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton forward (Triton's interpreter on the CPU): the sink as one more term in ell
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, t_q, t_k, d_k", [(4, 2, 20, 33, 40), (2, 1, 1, 33, 64), (2, 2, 33, 5, 32)]
+)
+def test_triton_forward_and_backward_with_sinks(heads, kv_heads, t_q, t_k, d_k) -> None:
+    from mha.kernels import triton_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, heads, t_q, d_k, generator=gen).requires_grad_()
+    k = torch.randn(1, kv_heads, t_k, d_k, generator=gen).requires_grad_()
+    v = torch.randn(1, kv_heads, t_k, d_k, generator=gen).requires_grad_()
+    sinks = (2 * torch.randn(heads, generator=gen)).requires_grad_()
+    out = triton_attention(q, k, v, causal=True, sinks=sinks, block_q=16, block_k=16)
+    expected, _ = dense_with_sinks(q, k, v, sinks, causal=True)
+    torch.testing.assert_close(out, expected, rtol=0, atol=2e-6)
+    d_out = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad((out * d_out).sum(), (q, k, v, sinks))
+    want = torch.autograd.grad((expected * d_out).sum(), (q, k, v, sinks))
+    for name, a, b in zip("q k v sinks".split(), got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=5e-6, msg=f"d {name}")
+
+
+def test_triton_refuses_bad_sinks() -> None:
+    from mha.kernels import triton_attention
+
+    q = torch.zeros(1, 4, 3, 16)
+    with pytest.raises(ValueError, match=r"sinks must have shape \(H,\) = \(4,\)"):
+        triton_attention(q, q, q, sinks=torch.zeros(2))
+    with pytest.raises(TypeError, match="sinks must be a torch.Tensor"):
+        triton_attention(q, q, q, sinks=[0.0] * 4)

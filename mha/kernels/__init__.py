@@ -100,6 +100,7 @@ def triton_attention(
     scale: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """softmax(q k^T * scale) v for (B, H, T, d_k) tensors, by a Triton kernel.
 
@@ -113,8 +114,9 @@ def triton_attention(
     from .attention import triton_attention as run
 
     return run(
-        q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k
-    )
+        q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k,
+        sinks=sinks,
+    )  # fmt: skip
 
 
 def triton_split_kv_attention(

@@ -149,6 +149,17 @@ def _finish(m, ell, acc):
 
 
 @triton.jit
+def _add_sink(m, ell, acc, sink):
+    """A learned sink logit (gpt-oss): one more term in ``ell``, with no
+    value, folded in after the keys (the order of the terms of a sum does
+    not matter to the online softmax)."""
+    m_new = tl.maximum(m, sink)  # finite: the sink is
+    rescale = tl.exp(m - m_new)  # 0 for a row that saw no key (m = -inf)
+    ell = rescale * ell + tl.exp(sink - m_new)
+    return m_new, ell, rescale[:, None] * acc
+
+
+@triton.jit
 def _forward_kernel(
     Q, K, V, Out, LSE,  # pointers to the first element of each tensor
     stride_qb, stride_qh, stride_qt, stride_qd,  # q's strides, in elements
@@ -159,6 +170,7 @@ def _forward_kernel(
     CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
+    Sinks=None, HAS_SINKS: tl.constexpr = False,  # (H,) learned sink logits
 ):  # fmt: skip
     """One program: the output rows of one query tile of one (batch, head)."""
     q_block, batch_head = tl.program_id(0), tl.program_id(1)
@@ -180,6 +192,8 @@ def _forward_kernel(
         stride_kt, stride_kd, stride_vt, stride_vd,
         CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
     )  # fmt: skip
+    if HAS_SINKS:
+        m, ell, acc = _add_sink(m, ell, acc, tl.load(Sinks + h).to(tl.float32))
     out, logsumexp = _finish(m, ell, acc)
     out_tile = _tile(Out + b * stride_ob + h * stride_oh, rows, dims,
                      stride_ot, stride_od)  # fmt: skip
@@ -387,8 +401,11 @@ def _tiles(q, kernel, block_q, block_k, capability) -> Tiles:
     )
 
 
-def forward_launch(q, k, v, out, logsumexp, *, causal, scale, tiles):
-    """The forward kernel's launch: one program per (query tile, b, h)."""
+def forward_launch(
+    q, k, v, out, logsumexp, *, causal, scale, tiles, sinks=None
+):
+    """The forward kernel's launch: one program per (query tile, b, h);
+    ``sinks`` (H,) float32, or None."""
     (batch, heads, t_q, _), (kv_heads, t_k) = q.shape, k.shape[1:3]
     grid = (triton.cdiv(t_q, tiles.block_q), batch * heads)
     args = (
@@ -396,7 +413,10 @@ def forward_launch(q, k, v, out, logsumexp, *, causal, scale, tiles):
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         heads, heads // kv_heads, t_q, t_k, scale,
     )  # fmt: skip
-    return Launch(_forward_kernel, grid, args, _constants(q, tiles, causal))
+    constants = _constants(q, tiles, causal)
+    if sinks is not None:
+        constants.update(Sinks=sinks, HAS_SINKS=True)
+    return Launch(_forward_kernel, grid, args, constants)
 
 
 def split_kv_launch(
@@ -453,18 +473,23 @@ def attention_forward(
     scale: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The forward kernel: ``(out, logsumexp)``, (B, H, T_q, d_k), (B, H, T_q).
 
-    The logsumexp is float32 whatever the inputs' dtype.
+    The logsumexp is float32 whatever the inputs' dtype (the sinks' terms
+    included, when there are sinks).
     """
     scale = _check_inputs(q, k, v, scale, block_q, block_k)
+    if sinks is not None:
+        sinks = _check_sinks(sinks, q).float().contiguous()
     tiles = _tiles(q, "forward", block_q, block_k, None)
     out = torch.empty_like(q)
     logsumexp = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     forward_launch(
-        q, k, v, out, logsumexp, causal=causal, scale=scale, tiles=tiles
-    )()
+        q, k, v, out, logsumexp, causal=causal, scale=scale, tiles=tiles,
+        sinks=sinks,
+    )()  # fmt: skip
     return out, logsumexp
 
 
@@ -568,22 +593,25 @@ class TritonAttention(torch.autograd.Function):
     """The kernels for autograd; saves q, k, v, output and logsumexp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, block_q, block_k):
+    def forward(ctx, q, k, v, causal, scale, block_q, block_k, sinks=None):
         settings = dict(
             causal=causal, scale=scale, block_q=block_q, block_k=block_k
         )
-        out, logsumexp = attention_forward(q, k, v, **settings)
-        ctx.save_for_backward(q, k, v, out, logsumexp)
+        out, logsumexp = attention_forward(q, k, v, **settings, sinks=sinks)
+        ctx.save_for_backward(q, k, v, out, logsumexp, sinks)
         ctx.settings = settings
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, out, logsumexp = ctx.saved_tensors
+        q, k, v, out, logsumexp, sinks = ctx.saved_tensors
         grads = attention_backward(
             q, k, v, out, logsumexp, d_out, **ctx.settings
-        )
-        return (*grads, None, None, None, None)
+        )  # the sinks' terms are in the logsumexp: the weights come right
+        d_sinks = None
+        if sinks is not None and ctx.needs_input_grad[7]:
+            d_sinks = _sink_gradient(sinks, out, logsumexp, d_out)
+        return (*grads, None, None, None, None, d_sinks)
 
 
 def triton_attention(
@@ -595,6 +623,7 @@ def triton_attention(
     scale: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """softmax(q k^T * scale) v by the Triton kernels, differentiable.
 
@@ -609,17 +638,43 @@ def triton_attention(
         scale: default ``1 / sqrt(d_k)``.
         block_q, block_k: tile sizes, powers of two >= 16; default
             :func:`default_tiles`.
+        sinks: (H,) learned sink logits (gpt-oss), one more term in each
+            row's softmax with no value (:func:`mha.flash.flash_attention`);
+            differentiable. None: no sinks.
 
     Returns:
         (B, H, T_q, d_k), in the inputs' dtype.
     """
     return TritonAttention.apply(
-        q, k, v, bool(causal), scale, block_q, block_k
+        q, k, v, bool(causal), scale, block_q, block_k, sinks
     )
 
 
 # ---------------------------------------------------------------------------
 # Argument checks (see mha._validate).
+
+
+def _sink_gradient(sinks, out, logsumexp, d_out) -> Tensor:
+    """d loss / d s_h = -sum over head h's rows of p_sink * delta, with
+    ``p_sink = exp(s_h - logsumexp)`` and ``delta = sum(d_out * out)``: the
+    sink's column carries no value (as in :mod:`mha.flash`)."""
+    delta = (d_out.float() * out.float()).sum(dim=-1)  # (B, H, T_q)
+    p_sink = torch.exp(sinks.float()[:, None] - logsumexp)  # (B, H, T_q)
+    return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)  # (H,)
+
+
+def _check_sinks(sinks: object, q: Tensor) -> Tensor:
+    check_tensor("sinks", sinks, ndim=1, shape=f"(H,) = ({q.shape[1]},)")
+    if sinks.shape[0] != q.shape[1]:
+        raise ValueError(
+            f"sinks must have shape (H,) = ({q.shape[1]},), one logit per "
+            f"query head, got shape {tuple(sinks.shape)}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(
+            f"sinks must be on q's device {q.device}, got {sinks.device}"
+        )
+    return sinks
 
 
 def _check_inputs(q, k, v, scale, block_q, block_k) -> float:
