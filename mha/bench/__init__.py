@@ -11,7 +11,8 @@ context, ``variants`` the attention core under an attention variant's mask
 benchmarks (:mod:`~mha.bench.layer`, :mod:`~mha.bench.decode`,
 :mod:`~mha.bench.variants`, whose entries sit beside it), the one
 measurement loop (:mod:`~mha.bench.timing`), :mod:`~mha.bench.memory`,
-:mod:`~mha.bench.report`, :mod:`~mha.bench.environment`, :mod:`~mha.bench.cli`.
+:mod:`~mha.bench.report`, :mod:`~mha.bench.cli` (the environment of a run:
+:mod:`mha.environment`).
 README.md says how to add an entry or a benchmark.
 """
 
@@ -19,9 +20,9 @@ from __future__ import annotations
 
 from importlib import import_module
 
+from ..environment import *  # noqa: F403
 from .cli import *  # noqa: F403
 from .decode import *  # noqa: F403
-from .environment import *  # noqa: F403
 from .implementations import *  # noqa: F403
 from .layer import *  # noqa: F403
 from .memory import *  # noqa: F403
@@ -33,7 +34,7 @@ from .variants import *  # noqa: F403
 #: What the rooms export (their ``__all__``), at ``mha.bench.<name>``.
 __all__ = [
     name
-    for room in ("cli", "decode", "environment", "implementations", "layer")
-    + ("memory", "registry", "report", "timing", "variants")
-    for name in import_module(f"{__name__}.{room}").__all__
+    for room in ("cli", "decode", ".environment", "implementations")
+    + ("layer", "memory", "registry", "report", "timing", "variants")
+    for name in import_module(f".{room}", __name__).__all__
 ]
