@@ -20,10 +20,22 @@ from collections.abc import Mapping
 from ._validate import check_int
 from .positions import Rope
 
-__all__ = ["MODEL_TYPES", "ModelConfig", "read_config"]
+__all__ = ["MODEL_TYPES", "LAYER_ONLY_TYPES", "ModelConfig", "read_config"]
 
 #: The families read: their layers differ only in the fields read here.
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+#: Families whose attention layers are read (``read_config(..., layer=True)``,
+#: for :meth:`mha.GroupedQueryAttention.from_config`) but not the model: their
+#: feed-forward is a mixture of experts. gpt-oss: learned sinks, biases, a
+#: window on every other layer.
+LAYER_ONLY_TYPES = ("gpt_oss",)
+
+#: Their mixture of experts' fields: the model's, not an attention layer's.
+EXPERT_FIELDS = frozenset(
+    "num_local_experts num_experts_per_tok swiglu_alpha swiglu_limit "
+    "router_aux_loss_coef output_router_logits".split()
+)
 
 #: Fields that do not change what the model computes: ids, initialisation,
 #: bookkeeping and output switches of transformers' configurations.
@@ -67,7 +79,8 @@ class ModelConfig:
     False). ``qk_norm``: an RMSNorm over each head's queries and keys
     (Qwen3). ``windows``: per layer, the sliding window or None.
     ``sliding_window``: the window of the layers that have one.
-    ``eos_token_ids``: the ids that end a row. The model's own fields
+    ``eos_token_ids``: the ids that end a row. ``sinks``: a learned sink
+    logit per head (gpt-oss). The model's own fields
     (``vocab_size``, ``intermediate_size``, ``num_hidden_layers``) are None
     where a configuration for one layer leaves them out.
     """
@@ -91,6 +104,7 @@ class ModelConfig:
     sliding_window: int | None = None
     windows: tuple[int | None, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
+    sinks: bool = False
 
     def require(self, *names: str) -> None:
         """Raise ValueError naming the first of ``names`` that is None."""
@@ -99,9 +113,11 @@ class ModelConfig:
                 raise ValueError(f"config must give {name}, got none")
 
 
-def read_config(config: object) -> ModelConfig:
+def read_config(config: object, *, layer: bool = False) -> ModelConfig:
     """The :class:`ModelConfig` of a transformers configuration or dict.
 
+    ``layer=True``: for one attention layer, which also reads the families
+    of :data:`LAYER_ONLY_TYPES` (their experts' fields are not its own).
     Raises ValueError naming every field that is not implemented, TypeError
     for a config that is neither a mapping nor an object with fields.
     """
@@ -113,7 +129,7 @@ def read_config(config: object) -> ModelConfig:
     hidden = check_int("hidden_size", fields["hidden_size"])
     heads = check_int("num_attention_heads", fields["num_attention_heads"])
     head_dim = check_int("head_dim", fields.get("head_dim") or hidden // heads)
-    _refuse_unknown({**fields, "head_dim": head_dim}, model_type)
+    _refuse_unknown({**fields, "head_dim": head_dim}, model_type, layer)
     bias = bool(fields.get("attention_bias", False))
     qkv_bias, o_bias = {"qwen2": (True, False), "mistral": (False, False)}.get(
         model_type, (bias, bias)
@@ -142,6 +158,7 @@ def read_config(config: object) -> ModelConfig:
         sliding_window=window,
         windows=_windows(fields, model_type, layers, window),
         eos_token_ids=_eos(fields.get("eos_token_id")),
+        sinks=model_type == "gpt_oss",
     )
 
 
@@ -158,10 +175,18 @@ def _as_dict(config: object) -> dict:
     )
 
 
-def _refuse_unknown(fields: dict, model_type: str) -> None:
+def _refuse_unknown(fields: dict, model_type: str, layer: bool) -> None:
     """One ValueError naming every field that is not implemented."""
     refused = []
-    if model_type not in MODEL_TYPES:
+    if layer and model_type in LAYER_ONLY_TYPES:
+        fields = {k: v for k, v in fields.items() if k not in EXPERT_FIELDS}
+    elif model_type in LAYER_ONLY_TYPES:
+        refused.append(
+            f"model_type = {model_type!r} (its mixture-of-experts "
+            "feed-forward is not implemented; GroupedQueryAttention."
+            "from_config reads its attention layers)"
+        )
+    elif model_type not in MODEL_TYPES:
         refused.append(f"model_type = {model_type!r} (read: {MODEL_TYPES})")
     for name, value in sorted(fields.items()):
         if name in NEUTRAL:

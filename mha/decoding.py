@@ -109,6 +109,11 @@ class GroupedQueryAttention(nn.Module):
             rotary positions (positions then come from the input, if at all).
         dropout: probability of dropping an attention weight in training.
         device, dtype: of the parameters.
+        head_dim: d_k, when it is not D / H (the q/k/v widths are H d_k).
+        window: a query at position p sees the keys at p - window + 1 .. p
+            (a sliding window, Mistral's and gpt-oss's), or None: all.
+        sinks: a learned sink logit per head, the parameter ``sinks`` (H,)
+            (gpt-oss): one more term in each row's softmax, with no value.
     """
 
     def __init__(
@@ -123,8 +128,11 @@ class GroupedQueryAttention(nn.Module):
         dtype: torch.dtype | None = None,
         *,
         head_dim: int | None = None,
+        window: int | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
+        self.window = None if window is None else check_int("window", window)
         self.embed_dim = check_int("embed_dim", embed_dim)
         self.num_heads = check_int("num_heads", num_heads)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
@@ -153,6 +161,11 @@ class GroupedQueryAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, kv_dim, **factory)
         self.v_proj = nn.Linear(embed_dim, kv_dim, **factory)
         self.o_proj = nn.Linear(q_dim, embed_dim, **factory)
+        self.sinks = None  # or (H,) logits, GptOssAttention's ``sinks``
+        if sinks:
+            self.sinks = nn.Parameter(
+                torch.zeros(num_heads, device=device, dtype=dtype)
+            )
 
     @property
     def rope_base(self) -> float | None:
@@ -164,6 +177,7 @@ class GroupedQueryAttention(nn.Module):
         cls,
         config: object,
         *,
+        layer_idx: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> GroupedQueryAttention:
@@ -176,18 +190,18 @@ class GroupedQueryAttention(nn.Module):
         ``transformers`` 5's format, rope types default, linear, llama3 and
         yarn), read by :func:`mha.configs.read_config`. Its ``state_dict``
         loads into ours with no renaming. A field the layer does not
-        implement (a sliding window, Qwen3's q/k norms: the model's layers,
-        :class:`mha.CausalLM`, have them) is refused by name."""
-        fields = read_config(config)
-        if fields.sliding_window is not None or fields.qk_norm:
-            what = (
-                f"sliding_window = {fields.sliding_window}"
-                if fields.sliding_window is not None
-                else "q_norm and k_norm (model_type 'qwen3')"
-            )
+        implement (Qwen3's q/k norms: the model's layers,
+        :class:`mha.CausalLM`, have them) is refused by name. A
+        ``GptOssConfig`` gives gpt-oss's layer (biases, learned sinks) and
+        ``layer_idx`` its window: ``layer_types[layer_idx]`` is
+        ``"sliding_attention"`` (``sliding_window``) or ``"full_attention"``
+        (none), as in ``GptOssAttention(config, layer_idx)``."""
+        fields = read_config(config, layer=True)
+        if fields.qk_norm:
             raise ValueError(
-                f"config: {what} is not implemented by "
-                "GroupedQueryAttention; mha.CausalLM's layers implement it"
+                "config: q_norm and k_norm (model_type 'qwen3') is not "
+                "implemented by GroupedQueryAttention; mha.CausalLM's layers "
+                "implement it"
             )
         layer = cls(
             fields.hidden_size,
@@ -199,6 +213,10 @@ class GroupedQueryAttention(nn.Module):
             device=device,
             dtype=dtype,
             head_dim=fields.head_dim,
+            window=_layer_window(
+                fields.windows, fields.sliding_window, layer_idx
+            ),
+            sinks=fields.sinks,
         )
         if fields.o_bias != fields.qkv_bias:  # Qwen2: o without a bias
             layer.o_proj = nn.Linear(
@@ -244,6 +262,11 @@ class GroupedQueryAttention(nn.Module):
         keep, causal = _mask(
             attn_mask, is_causal, start, T, k.shape[2], x.device
         )
+        if self.window is not None or self.sinks is not None:
+            keep = _window_and_sinks(keep, causal, start, q, k, self, cache)
+            causal = False
+            if self.sinks is not None:  # a zero key and value: the sink's
+                k, v = (F.pad(t, (0, 0, 0, 1)) for t in (k, v))
         heads = F.scaled_dot_product_attention(  # grouped_attention, fused
             q,
             k,
@@ -281,6 +304,65 @@ class GroupedQueryAttention(nn.Module):
             _check_layer_positions(positions, B, T, self.rope is not None)
         if attn_mask is not None:
             _check_attn_mask(attn_mask, B, self.num_heads, T, cache)
+
+
+def _layer_window(
+    windows: tuple[int | None, ...], window: int | None, layer: int | None
+) -> int | None:
+    """The window of layer ``layer`` (``layer_types``), or the one window
+    of every layer."""
+    if layer is None:
+        if len(set(windows)) > 1:
+            raise ValueError(
+                "layer_idx must be given: the layers' windows differ "
+                f"(layer_types), got windows {sorted(set(windows), key=str)}"
+            )
+        return windows[0] if windows else window
+    check_int("layer_idx", layer, minimum=0)
+    if not windows:
+        return window
+    if layer >= len(windows):
+        raise ValueError(
+            f"layer_idx must be < num_hidden_layers = {len(windows)}, "
+            f"got {layer}"
+        )
+    return windows[layer]
+
+
+def _window_and_sinks(
+    keep: Tensor | None,
+    causal: bool,
+    start: int | Tensor,
+    q: Tensor,
+    k: Tensor,
+    layer: GroupedQueryAttention,
+    cache: Cache | None,
+) -> Tensor:
+    """The mask with the layer's window, and with a last column for its
+    sinks: then a float mask, 0 or -inf, the sink's logit in that column
+    (the sink's key and value are zeros), (B or 1, H, T, T_k + 1).
+
+    Slot j of the keys is position j (every cache that remembers all; a
+    cache that forgets, :class:`mha.RollingKVCache`, keeps the window
+    itself, and its keys are not in position order)."""
+    t_q, t_k = q.shape[2], k.shape[2]
+    if keep is None:  # SDPA's flags: causal with T_q = T_k, or everything
+        keep = causal_mask(t_q, t_k, device=q.device) if causal else None
+        if keep is None:
+            keep = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device)
+    forgets = cache is not None and len(cache) < cache.seen
+    if layer.window is not None and not forgets:
+        slots = torch.arange(t_k, device=q.device)  # (T_k,): positions
+        query_slots = start + torch.arange(t_q, device=q.device)  # (T_q,)
+        keep = keep & (slots[None, :] > query_slots[:, None] - layer.window)
+    if layer.sinks is None:
+        return keep
+    keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
+    bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
+    bias = bias.masked_fill(~keep, -math.inf)  # (B or 1, H or 1, T, T_k)
+    bias = bias.expand(keep.shape[0], q.shape[1], t_q, t_k)
+    sink = layer.sinks.to(q.dtype).view(1, -1, 1, 1)  # (1, H, 1, 1)
+    return torch.cat((bias, sink.expand(bias.shape[0], -1, t_q, 1)), -1)
 
 
 def _cached_so_far(cache: Cache) -> int | Tensor:
