@@ -829,23 +829,28 @@ class LatentAttentionShape:
         latent = D * (r + self.qk_rope_head_dim)
         return 2 * (query + latent + H * self.v_head_dim * D)
 
-    def attention_flops(self, context: int, *, absorb: bool) -> int:
-        """The rest: what one token's attention to ``context`` keys costs.
+    def attention_flops(
+        self, context: int, *, absorb: bool, queries: int = 1
+    ) -> int:
+        """The rest: what the attention of ``queries`` new tokens to
+        ``context`` keys costs (every score computed, as a dense kernel
+        does, masked or not).
 
         Naive (``absorb=False``): ``kv_b_proj`` expands every cached latent
-        into H keys (d_N) and values (d_v), ``2 T_k r H (d_N + d_v)``, then
-        scores and the weighted sum, ``2 H T_k (d_N + d_R + d_v)``.
-        Absorbed: the query goes through ``W_UK`` (``2 H d_N r``), scores
-        against the latents and rotated keys (``2 H T_k (r + d_R)``), the
-        weighted sum of latents (``2 H T_k r``) and ``W_UV`` (``2 H r
-        d_v``).
+        into H keys (d_N) and values (d_v), ``2 T_k r H (d_N + d_v)``, once
+        for all the queries, then scores and the weighted sum, ``2 H T_q T_k
+        (d_N + d_R + d_v)``. Absorbed, per query: ``W_UK`` (``2 H d_N r``),
+        scores against the latents and rotated keys (``2 H T_k (r + d_R)``),
+        the weighted sum of latents (``2 H T_k r``) and ``W_UV`` (``2 H r
+        d_v``): more per key, nothing per cached token.
         """
         T = check_int("context", context)
+        n = check_int("queries", queries)
         H, r, d_r = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
         d_n, d_v = self.qk_nope_head_dim, self.v_head_dim
         if absorb:
-            return 2 * H * (d_n * r + T * (2 * r + d_r) + r * d_v)
-        return 2 * T * r * H * (d_n + d_v) + 2 * H * T * (d_n + d_r + d_v)
+            return 2 * H * n * (d_n * r + T * (2 * r + d_r) + r * d_v)
+        return 2 * T * r * H * (d_n + d_v) + 2 * H * n * T * (d_n + d_r + d_v)
 
     def decode_flops(self, context: int, *, absorb: bool) -> int:
         """Projections and attention of one decoded token, one layer."""

@@ -361,9 +361,10 @@ class LatentKVCache:
 
     ``latents`` (B, max_len, r) and ``keys`` (B, max_len, d_R), allocated
     once and written in place: ``r + d_R`` numbers per token, whatever the
-    number of heads (the contract of :class:`mha.KVCache`: ``update``,
-    ``len``, ``reset``, ``truncate``, ``check_update``, ``max_len``; the
-    count of written positions is a tensor, ``length``).
+    number of heads (the protocol of :mod:`mha.caches`, ``update``, ``len``,
+    ``seen``, ``reset``, ``truncate``, ``check_update``, ``max_len``, with
+    the latent and the shared key in place of k and v; the count of written
+    positions is a tensor, ``length``).
     """
 
     def __init__(
@@ -433,6 +434,12 @@ class LatentKVCache:
 
     def __len__(self) -> int:
         return int(self.length)
+
+    @property
+    def seen(self) -> int:
+        """Positions written so far: ``len(cache)`` (this cache forgets
+        nothing), the position of the next token."""
+        return len(self)
 
     def reset(self) -> None:
         """Forget every cached token (the memory stays allocated)."""

@@ -262,7 +262,7 @@ def test_the_cache_is_written_in_place_and_counts_in_a_tensor() -> None:
     assert (cache.latents.data_ptr(), cache.keys.data_ptr()) == pointers
     assert all_latents.data_ptr() == pointers[0]  # a view of the preallocated tensor
     assert torch.equal(all_latents, torch.cat((latent, more[0]), dim=1))
-    assert isinstance(cache.length, torch.Tensor) and len(cache) == 5
+    assert isinstance(cache.length, torch.Tensor) and len(cache) == cache.seen == 5
     cache.truncate(3)
     assert len(cache) == 3
     cache.reset()
@@ -324,7 +324,11 @@ def test_decode_flops_are_what_torch_counts(absorb: bool, q_lora_rank) -> None:
         ours(randn(1, 12, D, dtype=torch.float32), cache=cache)
         with FlopCounterMode(display=False) as counter:
             ours(randn(1, 1, D, seed=1, dtype=torch.float32), cache=cache, absorb=absorb)
-    assert counter.get_total_flops() == shape.decode_flops(13, absorb=absorb)
+        assert counter.get_total_flops() == shape.decode_flops(13, absorb=absorb)
+        with FlopCounterMode(display=False) as counter:  # a chunk of 4 after the 13
+            ours(randn(1, 4, D, seed=2, dtype=torch.float32), cache=cache, absorb=absorb)
+    expected = 4 * shape.projection_flops() + shape.attention_flops(17, absorb=absorb, queries=4)
+    assert counter.get_total_flops() == expected
 
 
 def test_deepseek_v3_counts() -> None:
