@@ -12,11 +12,12 @@ export OMP_NUM_THREADS ?= 2
 export MKL_NUM_THREADS ?= 2
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: help venv book book-stored test lint unit nbval html-checks lab refresh bench clean
+.PHONY: help venv book book-stored test lint unit nbval nbval-other-isa html-checks lab refresh bench clean
 
 help:
 	@echo "make book     build the HTML book (executes every chapter, fails on any warning)"
 	@echo "make test     every check: ruff, pytest, nbval on the stored notebooks, the book built from them, built-HTML checks"
+	@echo "make nbval-other-isa  nbval again under another instruction set than this CPU's (outputs hold on any CPU)"
 	@echo "make lab      JupyterLab on the book (chapters/ first, appendix/) with mha importable"
 	@echo "make refresh  re-execute every notebook in place so its stored outputs are current"
 	@echo "make bench    python -m mha.bench with its defaults on this machine's CPU"
@@ -55,6 +56,12 @@ unit: $(STAMP)
 
 nbval: $(STAMP)
 	$(BIN)/python -m pytest --nbval --nbval-current-env chapters appendix
+
+# The stored outputs hold on any CPU: nbval again, with torch and NumPy held to an instruction
+# set other than this machine's own (AVX2 on an AVX-512 CPU, the portable default otherwise) and
+# a compile cache of its own. CI runs it after `make test`.
+nbval-other-isa: $(STAMP)
+	$(BIN)/python tests/nbval_other_isa.py chapters appendix
 
 html-checks: $(STAMP)
 	$(BIN)/python -m pytest tests/book

@@ -8,10 +8,12 @@ dense mask or bias (Dong et al. 2024):
 * a **score_mod** ``(score, b, h, q_idx, kv_idx) -> score``: a new value for
   one scaled score ``q . k / sqrt(d_k)``, applied before the mask.
 
-``create_block_mask`` evaluates a mask_mod once per tile of 128 x 128 scores
-and records which tiles are empty (skipped), full (no mask needed) or partly
-masked; ``torch.compile(flex_attention)`` turns the functions into one fused
-kernel that visits only the tiles that are not empty.
+``create_block_mask`` evaluates a mask_mod at every (query, key) pair, once,
+when the block mask is built, and records for each tile of 128 x 128 scores
+whether it is empty (skipped), full (no mask needed) or partly masked (the
+kernel evaluates the mask_mod again inside those tiles);
+``torch.compile(flex_attention)`` turns the functions into one fused kernel
+that visits only the tiles that are not empty.
 
 Here: mask_mods :func:`causal`, :func:`sliding_window`, :func:`sink_window`,
 :func:`document`, :func:`prefix_lm`; score_mods :func:`alibi`,
@@ -40,6 +42,8 @@ attention), unless ``q_offset`` says where the first query stands.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -73,6 +77,7 @@ __all__ = [
     "block_mask",
     "flex",
     "sink_column",
+    "flex_compiles",
     "tile_states",
     "RollingKVCache",
 ]
@@ -348,6 +353,16 @@ def flex(
         )
     elif mask is not None:
         _check_block_mask(mask, t_q, t_k, q.device)
+    if compiled and not flex_compiles(q.device):
+        here = torch.backends.cpu.get_cpu_capability()
+        held = os.environ.get("ATEN_CPU_CAPABILITY")
+        raise RuntimeError(
+            "flex(compiled=True): torch cannot compile FlexAttention on this "
+            "CPU; it needs AVX2 and ATEN_CPU_CAPABILITY other than 'default' "
+            f"(here: capability {here!r}, ATEN_CPU_CAPABILITY={held!r}); pass "
+            "compiled=False for FlexAttention's unfused form, the same result "
+            "with every score computed"
+        )
     run = _compiled_flex_attention() if compiled else _unfused_flex_attention
     return run(
         q,
@@ -391,6 +406,25 @@ def sink_column(
         return (kv_idx >= last) | mask_mod(b, h, q_idx, real(kv_idx))
 
     return sink_mask, sink_score
+
+
+def flex_compiles(device: torch.device | str = "cpu") -> bool:
+    """Whether ``torch.compile(flex_attention)`` can compile for ``device``.
+
+    Always on a GPU. On a CPU, torch's Inductor compiles FlexAttention only
+    where the CPU has AVX2 (so on no ARM CPU), and not when
+    ``ATEN_CPU_CAPABILITY=default`` holds torch to its portable kernels, nor
+    on macOS: the rule of
+    ``torch._inductor.kernel.flex.flex_cpu.check_cpu_supported``.
+    """
+    if torch.device(device).type != "cpu":
+        return True
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    return (
+        torch.cpu._is_avx2_supported()
+        and capability != "default"
+        and sys.platform != "darwin"
+    )
 
 
 @functools.cache

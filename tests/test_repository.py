@@ -107,3 +107,88 @@ def test_glued_values_are_plain_python_types():
                     ):
                         offenders.append(f"{path.name}: cell {i} glues {text}")
     assert not offenders, "glue plain Python values (float(x), int(x)):\n" + "\n".join(offenders)
+
+
+# A number printed at rounding level (the size of float64's or float32's last bits) changes with
+# the CPU's instruction set (torch and NumPy pick their kernels per CPU: AVX2, AVX-512), so nbval
+# would fail on another reader's machine. Such a value is printed as a bound ("< 1e-12") or
+# asserted.
+_NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?(?![\w.])")
+_BOUND_BEFORE = re.compile(r"(?:<|≤|<=|\bbelow|\bunder|\bto|\bwithin|\bat most)\s*$")
+_POWER_OF_TEN = re.compile(r"^1[eE]-?\d+$")  # a tolerance as written: 1e-12
+_ROUNDING_LEVEL = 1e-9
+
+
+def _compared_texts(cell):
+    """The texts of a cell's stored outputs that nbval compares (images are not compared)."""
+    for out in cell.get("outputs", []):
+        if "text" in out:
+            yield "".join(out["text"])
+        for mime, value in out.get("data", {}).items():
+            if not mime.startswith("image/"):
+                if isinstance(value, list):
+                    value = "".join(value)
+                yield value if isinstance(value, str) else json.dumps(value)
+
+
+def rounding_level_numbers(text):
+    """Non-zero numbers below 1e-9 in absolute value that are not bounds.
+
+    A bound follows '<', '≤', 'below', 'under', 'to', 'within' or 'at most', or is a power of ten
+    (a tolerance such as 1e-12, glued or printed).
+    """
+    found = []
+    for match in _NUMBER.finditer(text):
+        try:
+            value = float(match.group())
+        except ValueError:
+            continue
+        if value != 0 and abs(value) < _ROUNDING_LEVEL and not _POWER_OF_TEN.match(match.group()):
+            if not _BOUND_BEFORE.search(text[max(0, match.start() - 10) : match.start()]):
+                found.append(match.group())
+    return found
+
+
+def test_rounding_level_scanner_finds_values_and_spares_bounds():
+    assert rounding_level_numbers("max |diff| = 3e-16, near:2.2e-16") == ["3e-16", "2.2e-16"]
+    assert rounding_level_numbers("tensor([1.0000e-10, 5.0000e-01])") == ["1.0000e-10"]
+    assert rounding_level_numbers("diff < 3e-12, ≤ 4e-15, <= 2e-16, 0.0, 1e-6, 0e+00") == []
+    assert rounding_level_numbers("below 2e-20, agree to 5e-13, at most 2.5e-14") == []
+    assert rounding_level_numbers("x86-64 sm_80 ch13_x 1e-9 tolerance 1e-12") == []
+    assert rounding_level_numbers("differs by 8.9e-16") == ["8.9e-16"]
+
+
+def test_no_stored_output_prints_a_value_at_rounding_level():
+    problems = []
+    for path in NOTEBOOKS:
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            source = "".join(cell.get("source", ""))
+            ignored = source.lstrip().startswith("# NBVAL_IGNORE_OUTPUT")
+            if cell["cell_type"] != "code" or ignored:
+                continue
+            for text in _compared_texts(cell):
+                for number in rounding_level_numbers(text):
+                    problems.append(f"{path.relative_to(ROOT)} cell {i}: prints {number}")
+    assert not problems, "print a bound, not the value:\n" + "\n".join(problems)
+
+
+def test_ci_runs_nbval_under_another_instruction_set(monkeypatch):
+    """.ci/run checks the stored outputs twice: on this CPU, then under a lower instruction set."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert ci.index("make test") < ci.index("make nbval-other-isa")
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^nbval-other-isa:.*\n\t.*tests/nbval_other_isa\.py", makefile, re.M)
+
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("other", ROOT / "tests" / "nbval_other_isa.py")
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    for own, level in (("AVX512", "avx2"), ("AVX2", "default"), ("DEFAULT", "default")):
+        monkeypatch.setattr(other.torch.backends.cpu, "get_cpu_capability", lambda own=own: own)
+        env = other.other_isa()
+        assert env["ATEN_CPU_CAPABILITY"] == level
+        disabled = env["NPY_DISABLE_CPU_FEATURES"].split()
+        assert "X86_V2" not in disabled  # NumPy's baseline cannot be disabled
+        has_avx2 = "X86_V3" in other.__cpu_dispatch__ and other.__cpu_features__.get("X86_V3")
+        assert ("X86_V3" in disabled) == (level == "default" and bool(has_avx2))

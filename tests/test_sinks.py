@@ -171,7 +171,8 @@ def test_compiled_flex_with_sinks_equals_the_dense_form() -> None:
     q, k, v = (torch.randn(1, 2, 20, 16, generator=gen) for _ in range(3))
     sinks = torch.tensor([-1.0, 3.0])
     expected, _ = dense_with_sinks(q, k, v, sinks, causal=True)
-    got = variants.flex(q, k, v, mask_mod=variants.causal, sinks=sinks)
+    compiled = variants.flex_compiles(q.device)  # else FlexAttention's unfused form
+    got = variants.flex(q, k, v, mask_mod=variants.causal, sinks=sinks, compiled=compiled)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 

@@ -10,6 +10,7 @@ unfused and compiled; a compiled call that falls back to the unfused form is an 
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 
@@ -581,6 +582,47 @@ def test_flex_input_errors() -> None:
         variants.flex(q, q, q, score_mod=variants.alibi(8), compiled=False)
     with pytest.raises(TypeError, match="mask_mod must be a function"):
         variants.block_mask(np.ones((4, 4), bool), 4)
+
+
+_PORTABLE_FLEX = """
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+from mha import variants
+q = torch.zeros(1, 2, 16, 8)
+assert not variants.flex_compiles("cpu")
+try:
+    variants.flex(q, q, q)
+except RuntimeError as error:
+    print("ours:", error)
+try:  # what the check spares the reader: torch's own failure, deep in Inductor
+    torch.compile(flex_attention)(q, q, q)
+except Exception as error:
+    print("torch:", type(error).__name__, "not supported for CPU" in str(error))
+print("unfused:", variants.flex(q, q, q, compiled=False).shape)
+"""
+
+
+def test_flex_under_the_portable_default_says_why_it_cannot_compile(tmp_path) -> None:
+    """ATEN_CPU_CAPABILITY=default: torch cannot compile FlexAttention on a CPU; flex says so."""
+    env = {
+        **os.environ,
+        "ATEN_CPU_CAPABILITY": "default",
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", _PORTABLE_FLEX],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "ours: flex(compiled=True): torch cannot compile FlexAttention" in run.stdout
+    assert "pass compiled=False" in run.stdout
+    assert "torch: " in run.stdout and "True" in run.stdout.split("torch: ")[1].split("\n")[0]
+    assert "unfused: torch.Size([1, 2, 16, 8])" in run.stdout
+    # on this machine's own instruction set the compiled kernel is available
+    assert variants.flex_compiles("cpu") == torch.cpu._is_avx2_supported()
 
 
 def test_rolling_cache_update_errors() -> None:

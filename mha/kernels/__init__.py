@@ -22,9 +22,10 @@ before the first import of ``mha.kernels``; :data:`INTERPRETED` says which
 mode was chosen.
 
 The interpreter runs the kernel's exact code, one program after the other,
-so it checks correctness, never speed. Its bfloat16 ``tl.dot`` is wrong
-(Triton issues #11584 and #4972), so bfloat16 is refused there and tested on
-a GPU only.
+so it checks correctness, never speed. Its bfloat16 ``tl.dot`` multiplies
+the raw bit patterns (Triton issue #11584; an earlier one, #4972, is about
+bfloat16 ``tl.load`` there), so bfloat16 is refused there and tested on a
+GPU only.
 """
 
 from __future__ import annotations

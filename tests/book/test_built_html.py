@@ -191,6 +191,8 @@ ABOUT_THE_BUILD = (
     "when this page was",
     "built this page",
     "no gpu was available",
+    "stored outputs",
+    "stored output",
 )
 
 
@@ -214,6 +216,18 @@ def test_prose_speaks_of_the_subject_not_of_the_build(html_pages, html_dir):
             f"{page.relative_to(html_dir)}: {p!r}" for p in ABOUT_THE_BUILD if p in prose
         ]
     assert not offenders, "sentences about how the book was made:\n" + "\n".join(offenders)
+
+
+# LaTeX text commands are for a LaTeX build; in HTML they show as typed (a BibTeX field, say)
+RAW_LATEX = re.compile(r"\\(texttt|textbf|textit|emph|url|href)\b")
+
+
+def test_no_raw_latex_text_commands_in_prose(html_pages, html_dir):
+    offenders = []
+    for page in html_pages:
+        prose = " ".join(_article(page).prose)
+        offenders += [f"{page.relative_to(html_dir)}: \\{m}" for m in RAW_LATEX.findall(prose)]
+    assert not offenders, "raw LaTeX in the rendered text:\n" + "\n".join(offenders)
 
 
 def _titles(html_dir: Path) -> dict[Path, str]:
