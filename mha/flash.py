@@ -31,6 +31,10 @@ prompt); it equals the top-left mask of ``F.scaled_dot_product_attention``'s
 queries see no key at all: their output is zero and their logsumexp
 ``-inf``.
 
+Learned attention sinks (gpt-oss): ``sinks``, one logit per head, is one
+more term in every row's softmax that brings no value; the online softmax
+starts from it (``m = sink``, ``ell = 1``, ``acc = 0``).
+
 Keys and values may have fewer heads than the queries (grouped-query and
 multi-query attention): with ``H`` query heads and ``H_kv`` key/value heads,
 ``H_kv`` dividing ``H``, query head ``h`` reads key/value head

@@ -17,7 +17,8 @@ Causal attention is aligned bottom-right (query i sees keys 0..i + T_k -
 T_q); query head h reads key/value head ``h // group``.
 
 * :func:`attention_forward` - the forward kernel; returns output and
-  logsumexp (one float32 per query).
+  logsumexp (one float32 per query). With learned sinks (gpt-oss), each
+  head's sink logit is one more term in ``ell`` after the keys.
 * :func:`attention_backward` - two kernels (one program per key tile of a
   key/value head for dk and dv, summed over the head's group of query heads;
   one per query tile for dq) that recompute the weights from the logsumexp,
