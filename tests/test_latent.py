@@ -353,3 +353,23 @@ def test_deepseek_v3_counts() -> None:
         2 * 128 * 1088
     )
     assert v3.decode_bytes(1000, absorb=True) == 1000 * 576 * 2
+
+
+@pytest.mark.parametrize("absorb", [False, True])
+def test_bfloat16_is_as_close_to_float64_as_transformers_own(absorb: bool) -> None:
+    """In bfloat16 both layers round; ours must not be further from the float64 result than
+    DeepseekV3Attention in bfloat16 is (by more than a quarter)."""
+    cfg = config(Q_R, True, YARN)
+    theirs, ours = pair(cfg)
+    x = randn(2, 11, D, seed=1)
+    positions, mask = torch.arange(11)[None], additive_causal(11, 11)
+    with torch.no_grad():
+        exact, _ = theirs.double()(x, DeepseekV3RotaryEmbedding(cfg)(x, positions), mask.double())
+        xb = x.to(torch.bfloat16)
+        theirs_b, _ = theirs.to(torch.bfloat16)(
+            xb, DeepseekV3RotaryEmbedding(cfg)(xb, positions), mask.to(torch.bfloat16)
+        )
+        ours_b = ours.to(torch.bfloat16)(xb, absorb=absorb)
+    their_error = (theirs_b.double() - exact).abs().max()
+    our_error = (ours_b.double() - exact).abs().max()
+    assert our_error <= 1.25 * their_error, (our_error, their_error)
