@@ -79,9 +79,11 @@ lab: $(STAMP)
 	$(BIN)/jupyter trust chapters/*.ipynb appendix/*.ipynb
 	@# served from the book's root, so that appendix/ is reachable too; the
 	@# file browser opens on chapters/
+	@# _ext/lab_config.py: JupyterLab shows the numbers, citations and
+	@# cross-references the book shows, and folds each solution (lab_view.py)
 	$(BIN)/jupyter lab --ip=$(LAB_IP) $$([ "$$(id -u)" = 0 ] && echo --allow-root) \
 	  --ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/chapters \
-	  $(LAB_ARGS)
+	  --config=$(CURDIR)/_ext/lab_config.py $(LAB_ARGS)
 
 refresh: $(STAMP)
 	for nb in chapters/*.ipynb appendix/*.ipynb; do \

@@ -130,7 +130,9 @@ def head_view(
             else ""
         )
         rows.append(f'{title}<div class="mha-hv-row">{panels}</div>')
-    style = _style(uid, t_q, t_k, _geometry(queries, keys, show_weights))
+    style = _style(
+        uid, t_q, t_k, _geometry(queries, keys, show_weights), n_heads
+    )
     body = (
         f'<div class="mha-hv" id="{uid}">'
         f"<style>{style}</style>"
@@ -225,11 +227,16 @@ def _opacity(weight: float) -> str:
     return f"{weight:.2f}".rstrip("0").rstrip(".").lstrip("0") or "0"
 
 
-def _style(uid: str, t_q: int, t_k: int, size: dict[str, float]) -> str:
+def _style(
+    uid: str, t_q: int, t_k: int, size: dict[str, float], n_heads: int
+) -> str:
     """The stylesheet, scoped to the view ``uid``.
 
     One rule per query (and per key) says: while it is pointed at or
     focused, hide every line that is not its own, and show its shades.
+    Where the view is narrower than one layer's panels side by side (a
+    phone), the panels shrink to fit one layer in a row, so that every
+    panel that changes when a token is pointed at stays on the screen.
     """
     scope = f"#{uid}"
     key_box = (
@@ -255,6 +262,14 @@ def _style(uid: str, t_q: int, t_k: int, size: dict[str, float]) -> str:
         f"{scope} text.w{{text-anchor:end;visibility:hidden}}",
         f"{scope} g:focus{{outline:none}}",
         f"{scope} g:focus text,{scope} g:hover text{{font-weight:700}}",
+    ]
+    one_layer = n_heads * size["width"] + (n_heads - 1) * 18  # in one row
+    rules += [
+        f"{scope}{{container-type:inline-size}}",
+        f"@container (max-width:{one_layer}px){{"
+        f"{scope} .mha-hv-row{{flex-wrap:nowrap;gap:4px 6px}}"
+        f"{scope} .mha-hv-panel{{flex:1 1 0;min-width:0}}"
+        f"{scope} svg{{width:100%;height:auto}}}}",
     ]
     for i in range(t_q):
         on = f"{scope}:has(.q{i}:is(:hover,:focus))"

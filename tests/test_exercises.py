@@ -102,7 +102,7 @@ def online_step(m, ell, acc, scores, v):
 
 
 def _item(message: str) -> int:
-    match = re.search(r"item (\d+) of \d+ failed", message)
+    match = re.search(r"item (\d+) of \d+ failed", " ".join(message.split()))
     assert match, message
     return int(match.group(1))
 
@@ -114,8 +114,19 @@ def assert_caught(check, fn, item: int, *words: str, **kwargs) -> str:
     flat = " ".join(message.split())
     for word in words:
         assert word in flat, f"{word!r} not in:\n{message}"
-    assert all(len(line) <= ex.WIDTH for line in message.splitlines()), message
+    assert_fits_a_phone(message)
     return message
+
+
+# A phone's code cell shows about 60 characters; a traceback prints "AssertionError: " before the
+# message's first line.
+PHONE = 60
+
+
+def assert_fits_a_phone(message: str) -> None:
+    first, *rest = message.splitlines()
+    assert len("AssertionError: " + first) <= PHONE, first
+    assert all(len(line) <= PHONE for line in rest), message
 
 
 # ---------------------------------------------------------------------------------------------
@@ -605,6 +616,260 @@ def test_online_softmax_inverted_rescale_named_when_the_start_is_finite():
         return m_new, rescale * ell + p.sum(-1), rescale[:, None] * acc + p @ v
 
     assert_caught(ex.check_online_softmax_step, inverted, 2, "rescale is inverted")
+
+
+# ---------------------------------------------------------------------------------------------
+# float32: a right version passes, a wrong one fails, the message shows the difference
+
+F32 = np.float32
+
+
+def softmax32(x, axis=-1):
+    x = np.asarray(x).astype(F32)
+    top = x.max(axis=axis, keepdims=True)
+    exps = np.exp(x - np.where(np.isfinite(top), top, 0))
+    total = exps.sum(axis=axis, keepdims=True)
+    return np.divide(exps, total, out=np.zeros_like(exps), where=total > 0)
+
+
+def einsum_attention32(q, k, v, mask=None):
+    q, k, v = (a.astype(F32) for a in (q, k, v))
+    scores = np.einsum("...qd,...kd->...qk", q, k) / np.sqrt(F32(q.shape[-1]))
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)
+    weights = softmax32(scores)
+    return np.einsum("...qk,...kd->...qd", weights, v), weights
+
+
+def split32(x, num_heads):
+    *lead, t, d = x.shape
+    return np.swapaxes(x.astype(F32).reshape(*lead, t, num_heads, d // num_heads), -3, -2)
+
+
+def merge32(heads):
+    *lead, h, t, d_k = heads.shape
+    return np.swapaxes(heads.astype(F32), -3, -2).reshape(*lead, t, h * d_k)
+
+
+def mha32(x, w_q, w_k, w_v, w_o, num_heads, mask=None):
+    x, w_q, w_k, w_v, w_o = (a.astype(F32) for a in (x, w_q, w_k, w_v, w_o))
+    q, k, v = (split32(x @ w, num_heads) for w in (w_q, w_k, w_v))
+    out, weights = einsum_attention32(q, k, v, mask)
+    return merge32(out) @ w_o, weights
+
+
+def rope32(x, positions):
+    x, d_k = x.astype(F32), x.shape[-1]
+    freq = F32(10000.0) ** (-2 * np.arange(d_k // 2, dtype=F32) / F32(d_k))
+    angles = positions[..., None].astype(F32) * freq
+    if angles.ndim == 3:
+        angles = angles[:, None]
+    cos, sin = np.cos(angles), np.sin(angles)
+    x1, x2 = x[..., : d_k // 2], x[..., d_k // 2 :]
+    return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def online_step32(m, ell, acc, scores, v):
+    return tuple(
+        part.astype(F32)
+        for part in online_step(*(np.asarray(a, dtype=F32) for a in (m, ell, acc, scores, v)))
+    )
+
+
+def float32_torch(fn):
+    """``fn`` on float32 copies of its float64 tensor arguments."""
+    return lambda *a, **k: fn(
+        *(x.float() if torch.is_tensor(x) and x.is_floating_point() else x for x in a), **k
+    )
+
+
+@pytest.mark.parametrize(
+    ("check", "fn", "kwargs"),
+    [
+        (ex.check_softmax, softmax32, {}),
+        (ex.check_softmax, float32_torch(torch_softmax), {"framework": "torch"}),
+        (ex.check_scaled_dot_product_attention, einsum_attention32, {}),
+        (ex.check_scaled_dot_product_attention, float32_torch(torch_sdpa), {"framework": "torch"}),
+        (ex.check_split_heads, split32, {}),
+        (ex.check_merge_heads, merge32, {}),
+        (ex.check_multi_head_attention, mha32, {}),
+        (ex.check_multi_head_attention, float32_torch(torch_mha), {"framework": "torch"}),
+        (ex.check_rope, rope32, {}),
+        (ex.check_rope, float32_torch(mha.apply_rope), {"framework": "torch"}),
+        (ex.check_online_softmax_step, online_step32, {}),
+    ],
+    ids=lambda value: getattr(value, "__name__", None),
+)
+def test_a_right_float32_version_passes(check, fn, kwargs):
+    assert failure(check, fn, **kwargs) is None
+
+
+def test_a_wrong_float32_version_fails_and_is_named():
+    def scaled_by_sqrt_d32(x, w_q, w_k, w_v, w_o, num_heads, mask=None):
+        # every head's scores divided by sqrt(D) instead of sqrt(d_k)
+        return mha32(x, w_q / num_heads**0.25, w_k / num_heads**0.25, w_v, w_o, num_heads, mask)[0]
+
+    assert_caught(ex.check_multi_head_attention, scaled_by_sqrt_d32, 2, "divided by sqrt(D)")
+    no_w_o = lambda x, *w, mask=None: mha32(x, *w[:3], np.eye(x.shape[-1]), w[4], mask)[0]  # noqa: E731
+    assert_caught(ex.check_multi_head_attention, no_w_o, 2, "W_O was left out")
+    in_float16 = lambda x, axis=-1: softmax32(x, axis).astype(np.float16)  # noqa: E731
+    assert_caught(ex.check_softmax, in_float16, 2, "float16")
+
+
+def test_the_message_shows_the_failing_element_in_enough_digits():
+    def off_by_a_little(q, k, v, mask=None):
+        out = mha.scaled_dot_product_attention(q, k, v, mask)[0].copy()
+        out[..., 1, 2] *= 1 + 3e-5  # float64's tolerance is 1e-6
+        return out
+
+    message = assert_caught(ex.check_scaled_dot_product_attention, off_by_a_little, 2)
+    flat = " ".join(message.split())
+    assert "at index (1, 2)" in flat, message
+    match = re.search(r"it is (\S+), expected (\S+)", flat)
+    assert match and match.group(1) != match.group(2).rstrip(), message
+    assert "1 of 18 places" in flat, message
+
+
+# ---------------------------------------------------------------------------------------------
+# multi-head attention: the six mistakes learners made, each named
+
+
+def learner_mha(
+    transpose_weights=False,
+    swap=False,
+    diagonal_w_o=False,
+    own_slice=False,
+    heads_axis=False,
+    fill=-np.inf,
+):
+    """The fused layer as a learner writes it, one knob for each mistake."""
+
+    def fn(x, w_q, w_k, w_v, w_o, num_heads, mask=None):
+        *lead, t, d = x.shape
+        d_k = d // num_heads
+        if transpose_weights:  # torch's nn.Linear: x @ weight.T
+            w_q, w_k, w_v, w_o = w_q.T, w_k.T, w_v.T, w_o.T
+        if own_slice:  # head h reads x[..., block h] through w's block h
+            heads = []
+            for h in range(num_heads):
+                cols = slice(h * d_k, (h + 1) * d_k)
+                heads.append([x[..., cols] @ w[cols, cols] for w in (w_q, w_k, w_v)])
+            q, k, v = (np.stack([head[i] for head in heads], axis=-3) for i in range(3))
+        else:
+            shape = (*lead, t, d_k, num_heads) if swap else (*lead, t, num_heads, d_k)
+            q, k, v = (np.swapaxes((x @ w).reshape(shape), -3, -2) for w in (w_q, w_k, w_v))
+        scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(d_k)
+        if mask is not None:
+            scores = np.where(mask, scores, fill)
+        weights = mha.softmax(scores, axis=1 if heads_axis else -1)
+        out = weights @ v
+        if diagonal_w_o:
+            return np.concatenate(
+                [
+                    out[..., h, :, :] @ w_o[h * d_k : (h + 1) * d_k, h * d_k : (h + 1) * d_k]
+                    for h in range(num_heads)
+                ],
+                axis=-1,
+            )
+        return np.swapaxes(out, -3, -2).reshape(*lead, t, d) @ w_o
+
+    return fn
+
+
+def test_multi_head_names_the_six_mistakes():
+    check = ex.check_multi_head_attention
+    assert failure(check, learner_mha()) is None  # the knobs' baseline is right
+    assert_caught(check, learner_mha(fill=-1e9), 8, "-1e9", "mean of the values")
+    assert_caught(check, learner_mha(heads_axis=True), 2, "softmax ran over the heads")
+    assert_caught(
+        check,
+        learner_mha(transpose_weights=True),
+        2,
+        "w_q, w_k, w_v, w_o used as torch's",
+        "(out, in)",
+    )
+    assert_caught(check, learner_mha(swap=True), 2, "H and d_k were swapped")
+    assert_caught(check, learner_mha(diagonal_w_o=True), 2, "only W_O's diagonal blocks")
+    assert_caught(check, learner_mha(own_slice=True), 2, "only its own slice of x")
+
+
+def test_multi_head_names_which_weights_were_transposed():
+    def linear_projections(x, w_q, w_k, w_v, w_o, num_heads, mask=None):
+        return learner_mha()(x, w_q.T, w_k.T, w_v.T, w_o, num_heads, mask)
+
+    assert_caught(ex.check_multi_head_attention, linear_projections, 2, "w_q, w_k, w_v used as")
+
+
+def test_a_softmax_without_keepdims_gets_the_keepdims_hint():
+    def attention(q, k, v, mask=None):
+        scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+        exps = np.exp(scores - scores.max(axis=-1))
+        return exps / exps.sum(axis=-1, keepdims=True) @ v
+
+    def layer(x, w_q, w_k, w_v, w_o, num_heads, mask=None):
+        heads = [mha.split_heads(x @ w, num_heads) for w in (w_q, w_k, w_v)]
+        return mha.merge_heads(attention(*heads)) @ w_o
+
+    def torch_attention(q, k, v, mask=None):
+        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        exps = torch.exp(scores - scores.amax(dim=-1))
+        return exps / exps.sum(dim=-1, keepdim=True) @ v
+
+    for check, fn, kwargs in [
+        (ex.check_scaled_dot_product_attention, attention, {}),
+        (ex.check_multi_head_attention, layer, {}),
+        (ex.check_scaled_dot_product_attention, torch_attention, {"framework": "torch"}),
+    ]:
+        assert_caught(check, fn, 1, "without keepdims=True", "keepdim", **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a notebook shows of a failure
+
+
+def _shown_in_a_notebook(code: str) -> str:
+    """What IPython prints when ``code`` runs in a cell, without colours."""
+    import contextlib
+    import io
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        shell.run_cell(code)
+    return re.sub(r"\x1b\[[0-9;]*m", "", shown.getvalue())
+
+
+def test_a_notebook_shows_the_learners_line_and_the_message_only():
+    shown = _shown_in_a_notebook(
+        "import numpy as np\n"
+        "from mha.exercises import check_softmax\n"
+        "def my_softmax(x, axis=-1):\n"
+        "    exps = np.exp(x)  # no maximum subtracted\n"
+        "    return exps / exps.sum(axis=axis, keepdims=True)\n"
+        "check_softmax(my_softmax)\n"
+    )
+    assert "----> 6 check_softmax(my_softmax)" in shown, shown
+    assert "AssertionError: check_softmax: item 4 of 8 failed" in shown, shown
+    assert "exercises" not in shown.split("AssertionError: check_softmax")[0], (
+        shown
+    )  # no checker frame
+    assert "hidden" not in shown, shown
+
+
+def test_a_notebook_shows_the_line_of_the_learners_function_that_raised():
+    shown = _shown_in_a_notebook(
+        "import numpy as np\n"
+        "from mha.exercises import check_scaled_dot_product_attention\n"
+        "def my_attention(q, k, v, mask=None):\n"
+        "    scores = q @ k / np.sqrt(q.shape[-1])  # k not transposed\n"
+        "    return scores @ v\n"
+        "check_scaled_dot_product_attention(my_attention)\n"
+    )
+    assert "----> 4     scores = q @ k / np.sqrt(q.shape[-1])" in shown, shown
+    assert "----> 6 check_scaled_dot_product_attention(my_attention)" in shown, shown
+    assert "exercises" not in shown.split("AssertionError: check_scaled")[0], shown
 
 
 # ---------------------------------------------------------------------------------------------

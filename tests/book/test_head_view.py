@@ -101,3 +101,31 @@ def test_worked_example_prints_the_weights_of_the_query(page, html_dir):
 def test_the_view_fits_the_column(page, html_dir, name, width):
     page.open((html_dir / name).as_uri(), width)
     assert page.evaluate(STATE)["inside"], f"{name}: the head view leaves the column at {width}px"
+
+
+# A phone's screen in CSS pixels (390 x 844), less the browser's bars.
+PHONE_WIDTH, PHONE_VIEW_HEIGHT = 390, 700
+
+PANELS = r"""
+(() => {
+  const view = document.querySelector('.mha-hv');
+  const box = view.getBoundingClientRect();
+  const panels = [...view.querySelectorAll('.mha-hv-panel')].map((p) => p.getBoundingClientRect());
+  return {
+    height: box.height,
+    inside: panels.every((p) => p.left >= box.left - 1 && p.right <= box.right + 1),
+  };
+})()
+"""
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_on_a_phone_every_panel_that_changes_is_on_the_screen_at_once(page, html_dir, name):
+    # Pointing at a token changes every panel of the view: on a phone they must all be on the
+    # screen together, so the view is no taller than the screen and no panel is cut off.
+    page.open((html_dir / name).as_uri(), PHONE_WIDTH, height=844)
+    state = page.evaluate(PANELS)
+    assert state["height"] <= PHONE_VIEW_HEIGHT, (
+        f"{name}: the head view is {state['height']:.0f}px tall"
+    )
+    assert state["inside"], f"{name}: a panel is cut off at {PHONE_WIDTH}px"

@@ -1,0 +1,62 @@
+"""Checkers for code a learner writes, with messages that say what is wrong.
+
+Each ``check_*`` takes your function, runs it on small inputs with a fixed
+seed and goes through a checklist, comparing with the package's own code.
+When every item passes it returns ``None`` (and prints the checklist unless
+``verbose=False``). Otherwise it raises ``AssertionError`` naming the item
+that failed and what came; where your result equals the result of a known
+mistake (a split without a transpose, a scale by sqrt(D), a softmax over the
+wrong axis, ...), the message names that mistake and how to put it right.
+
+* :func:`check_softmax` - ``fn(x, axis=-1)``
+* :func:`check_scaled_dot_product_attention` - ``fn(q, k, v, mask=None)``
+* :func:`check_split_heads` - ``fn(x, num_heads)``;
+  :func:`check_merge_heads` - ``fn(heads)``
+* :func:`check_multi_head_attention` -
+  ``fn(x, w_q, w_k, w_v, w_o, num_heads, mask=None)``
+* :func:`check_causal_mask` - ``fn(t_q, t_k)``
+* :func:`check_rope` - ``fn(x, positions)``
+* :func:`check_padded_positions` - ``fn(keep)``
+* :func:`check_kv_cache_update` - ``fn(keys, values, k, v, length)``
+* :func:`check_online_softmax_step` - ``fn(m, ell, acc, scores, v)``
+
+Your function gets NumPy arrays, or float64 torch tensors with
+``framework="torch"``; it may return either. Masks are boolean, ``True`` =
+may attend, as everywhere in the package. :func:`failure` returns a
+checker's message instead of raising it.
+
+The package's modules: :mod:`.checker` (the checklist, comparisons,
+messages), :mod:`.one_head`, :mod:`.many_heads`, :mod:`.masks_positions`
+and :mod:`.tiled` (the checkers of each part of the book).
+"""
+
+from __future__ import annotations
+
+from .checker import WIDTH as WIDTH  # the width messages wrap at
+from .checker import failure
+from .many_heads import (
+    check_merge_heads,
+    check_multi_head_attention,
+    check_split_heads,
+)
+from .masks_positions import (
+    check_causal_mask,
+    check_padded_positions,
+    check_rope,
+)
+from .one_head import check_scaled_dot_product_attention, check_softmax
+from .tiled import check_kv_cache_update, check_online_softmax_step
+
+__all__ = [
+    "check_softmax",
+    "check_scaled_dot_product_attention",
+    "check_split_heads",
+    "check_merge_heads",
+    "check_multi_head_attention",
+    "check_causal_mask",
+    "check_rope",
+    "check_padded_positions",
+    "check_kv_cache_update",
+    "check_online_softmax_step",
+    "failure",
+]

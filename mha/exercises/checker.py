@@ -1,0 +1,358 @@
+"""The checker machinery: a checklist run over a learner's function, the
+comparisons with the package's results, and the messages."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NoReturn
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .._validate import check_choice
+
+Array = NDArray[Any]
+# Two results agree when they differ by rounding only: float64 results to
+# RTOL and ATOL; results in float32 (or narrower) to float32's rounding:
+# a right float32 version is off by up to 1e-4 where a score near 800
+# (float32's steps there are 6e-5 apart) went through exp, and RTOL_32
+# leaves three times that. ATOL is relative to the largest
+# expected value: rounding follows the size of the terms summed, and a
+# small result of large terms carries their error.
+RTOL, ATOL = 1e-6, 1e-9
+RTOL_32, ATOL_32 = 3e-4, 3e-6
+
+
+def tolerance(dtype: Any) -> tuple[float, float]:
+    """``(rtol, atol)`` for a result of ``dtype``."""
+    dtype = np.dtype(dtype)
+    if np.issubdtype(dtype, np.floating) and dtype.itemsize < 8:
+        return RTOL_32, ATOL_32
+    return RTOL, ATOL
+
+
+class Failed(Exception):
+    """One checklist item failed; the message says how.
+
+    ``learner_frames`` is the traceback inside the learner's function when
+    it raised, so that the report can show the learner's own line.
+    """
+
+    def __init__(
+        self, message: str, learner_frames: TracebackType | None = None
+    ) -> None:
+        super().__init__(message)
+        self.learner_frames = learner_frames
+
+
+class Checker:
+    """Runs a learner's function through a checklist; one per ``check_*``."""
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable,
+        framework: str,
+        error_hints: dict[str, str] | None = None,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(
+                f"fn must be a function, got {type(fn).__name__} {fn!r}"
+            )
+        check_choice("framework", framework, ("numpy", "torch"))
+        self.name, self.fn, self.framework = name, fn, framework
+        # words of an error message -> what usually causes it
+        self.error_hints = error_hints or {}
+        self.items: list[tuple[str, Callable[[], None]]] = []
+
+    def item(self, title: str) -> Callable:
+        """Decorator: add the decorated function as the next item."""
+
+        def add(run: Callable[[], None]) -> Callable[[], None]:
+            self.items.append((title, run))
+            return run
+
+        return add
+
+    def call(self, *args: Any, copy: bool = True, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` with arrays in the chosen framework.
+
+        The arrays are copies unless ``copy=False``, so that a function that
+        changes its inputs cannot change what it is compared with.
+        """
+        args = tuple(to_framework(a, self.framework, copy) for a in args)
+        kwargs = {
+            k: to_framework(a, self.framework, copy) for k, a in kwargs.items()
+        }
+        __tracebackhide__ = True  # IPython and pytest skip this frame
+        try:
+            # the checklist reports overflow and NaN; NumPy's warnings would
+            # only repeat it
+            with np.errstate(all="ignore"):
+                return self.fn(*args, **kwargs)
+        except Exception as error:  # the learner's error, reported as such
+            shapes = ", ".join(describe(a) for a in args)
+            hints = [
+                hint
+                for words, hint in self.error_hints.items()
+                if words in str(error)
+            ]
+            raise Failed(
+                f"calling it with ({shapes}) raised "
+                f"{type(error).__name__}: {error}"
+                + "".join(f"\n{hint}" for hint in hints),
+                # from the learner's function inwards
+                learner_frames=error.__traceback__.tb_next
+                if error.__traceback__
+                else None,
+            ) from None
+
+    def run(self, verbose: bool) -> None:
+        """Run the items in order; the first that fails raises."""
+        __tracebackhide__ = True
+        total = len(self.items)
+        for number, (title, run) in enumerate(self.items, 1):
+            try:
+                run()
+            except Failed as failed:
+                message = wrap(
+                    f"{self.name}: item {number} of {total} failed: {title}.",
+                    str(failed),
+                )
+                report(CheckFailed(message), failed.learner_frames)
+        if verbose:
+            print(f"{self.name}: all {total} items pass")
+            for number, (title, _) in enumerate(self.items, 1):
+                print(f"  {number}. {title}")
+
+
+class CheckFailed(AssertionError):
+    """A checklist item failed: the message names it and what came.
+
+    Its traceback, as IPython (a notebook) prints it, holds the learner's
+    frames only: the line that called the checker and, when the learner's
+    function raised, the lines inside it; the checker's frames are left out.
+    pytest leaves them out too (they set ``__tracebackhide__``).
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is None:  # IPython falls back to its plain traceback
+            raise RuntimeError("no IPython shell")
+        return shell.InteractiveTB.structured_traceback(
+            AssertionError, self, _learners_frames(self.__traceback__)
+        )
+
+
+HERE = Path(__file__).resolve().parent
+
+
+def _learners_frames(frames: TracebackType | None) -> TracebackType | None:
+    """The traceback ``frames`` without the frames of this package."""
+    kept = []
+    while frames is not None:
+        code = frames.tb_frame.f_code
+        if Path(code.co_filename).resolve().parent != HERE:
+            kept.append(frames)
+        frames = frames.tb_next
+    chain = None
+    for frame in reversed(kept):
+        chain = TracebackType(
+            chain, frame.tb_frame, frame.tb_lasti, frame.tb_lineno
+        )
+    return chain
+
+
+def report(error: CheckFailed, frames: TracebackType | None) -> NoReturn:
+    """Raise a checker's verdict, with the learner's ``frames`` (if their
+    function raised) below the checker's."""
+    __tracebackhide__ = True
+    raise error.with_traceback(frames) from None
+
+
+def failure(check: Callable, fn: Callable, **kwargs: Any) -> str | None:
+    """The message ``check(fn, **kwargs)`` fails with, or None if it passes."""
+    try:
+        check(fn, verbose=False, **kwargs)
+    except AssertionError as error:
+        return str(error)
+    return None
+
+
+# Arrays in and out, comparisons, messages
+
+
+def to_framework(value: Any, framework: str, copy: bool) -> Any:
+    if not isinstance(value, np.ndarray):
+        return value
+    if copy:
+        value = value.copy()
+    if framework == "torch":
+        import torch
+
+        return torch.from_numpy(value)  # shares memory, float64 stays
+    return value
+
+
+def as_array(value: Any) -> Array:
+    """A learner's result as a NumPy array (torch tensors are converted)."""
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    try:
+        return np.asarray(value)
+    except Exception as error:
+        raise Failed(
+            f"the result is {type(value).__name__}, not an array ({error})"
+        ) from None
+
+
+def shares_memory(part: Any, buffer: Any) -> bool:
+    if hasattr(part, "untyped_storage"):  # torch
+        return part.untyped_storage().data_ptr() == (
+            buffer.untyped_storage().data_ptr()
+        )
+    return isinstance(part, np.ndarray) and np.shares_memory(part, buffer)
+
+
+def output_and_weights(result: Any) -> tuple[Array, Array | None]:
+    """``output`` or ``(output, weights)``, as arrays."""
+    if isinstance(result, tuple | list):
+        if len(result) != 2:
+            raise Failed(
+                f"it returned {len(result)} values: return the output, or "
+                "(output, weights)"
+            )
+        return as_array(result[0]), as_array(result[1])
+    return as_array(result), None
+
+
+def normal_arrays(
+    rng: np.random.Generator, *shapes: tuple
+) -> tuple[Array, ...]:
+    return tuple(rng.normal(size=shape) for shape in shapes)
+
+
+def expect_shape(
+    got: Array,
+    shape: tuple,
+    what: str,
+    known: dict[tuple, str] | None = None,
+) -> None:
+    if got.shape == tuple(shape):
+        return
+    hint = (known or {}).get(got.shape, "")
+    raise Failed(
+        f"{what} has shape {got.shape}, expected {tuple(shape)}"
+        + (f": {hint}" if hint else "")
+    )
+
+
+def compare(
+    got: Any,
+    expected: Array,
+    what: str,
+    mistakes: dict[str, Array | tuple[Array, ...]] | None = None,
+) -> None:
+    """Pass if ``got`` equals ``expected`` up to rounding; otherwise fail,
+    naming the mistake whose result (one of them) ``got`` equals, if any."""
+    got = as_array(got)
+    expect_shape(got, expected.shape, what)
+    if not np.issubdtype(got.dtype, np.number) and got.dtype != bool:
+        raise Failed(f"{what} has dtype {got.dtype}, expected numbers")
+    rtol, atol = tolerance(got.dtype)
+    atol *= scale_of(expected)
+    if np.allclose(got, expected, rtol=rtol, atol=atol, equal_nan=True):
+        return
+    # NaN where a mistake gives 0 is a second mistake (an empty row): name
+    # the first
+    for hint, twins in (mistakes or {}).items():
+        for twin in twins if isinstance(twins, tuple) else (twins,):
+            if twin.shape == got.shape and np.allclose(
+                np.nan_to_num(got), np.nan_to_num(twin), rtol=rtol, atol=atol
+            ):
+                raise Failed(hint)
+    if np.isnan(got).any() and not np.isnan(expected).any():
+        where = tuple(int(i) for i in np.argwhere(np.isnan(got))[0])
+        raise Failed(f"{what} holds NaN (first at index {where})")
+    raise Failed(difference(got, expected, what, rtol, atol))
+
+
+def scale_of(expected: Array) -> float:
+    """The largest finite magnitude of ``expected``, at least 1."""
+    finite = np.abs(expected[np.isfinite(expected)])
+    return max(1.0, float(finite.max())) if finite.size else 1.0
+
+
+def difference(
+    got: Array, expected: Array, what: str, rtol: float, atol: float
+) -> str:
+    """Where ``got`` is farthest outside the tolerance, in enough digits."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        error = np.abs(got.astype(np.float64) - expected)
+        outside = np.nan_to_num(
+            error / (atol + rtol * np.abs(expected)), nan=np.inf
+        )
+    where = np.unravel_index(np.argmax(outside), outside.shape)
+    index = tuple(int(i) for i in where)
+    it, then = distinct(float(got[where]), float(expected[where]))
+    count = int((outside > 1).sum())
+    return (
+        f"{what} differs from the package's result at {count} of "
+        f"{got.size} places; the farthest, at index {index}: it is {it}, "
+        f"expected {then} (a {got.dtype} result may be off by "
+        f"{atol + rtol * abs(float(expected[where])):.1g} there)"
+    )
+
+
+def distinct(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` printed with as few digits as tell them apart."""
+    for digits in range(4, 18):
+        first, second = f"{a:#.{digits}g}", f"{b:#.{digits}g}"
+        if first != second:
+            break
+    return first, second
+
+
+def compare_mask(got: Array, expected: Array, mistakes: dict) -> None:
+    if np.array_equal(got, expected):
+        return
+    for hint, twin in mistakes.items():
+        if np.array_equal(got, twin):
+            raise Failed(hint)
+    raise Failed(
+        f"got\n{got.astype(int)}\nexpected\n{expected.astype(int)} "
+        "(1 = may attend)"
+    )
+
+
+def short(values: Array) -> str:
+    return np.array2string(np.asarray(values), precision=4, separator=", ")
+
+
+def describe(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"array {tuple(shape)}"
+    return repr(value)
+
+
+# A message fits a phone's code cell (about 60 characters), and the first
+# line leaves room for the "AssertionError: " a traceback prints before it.
+WIDTH = 60
+PREFIX = len("AssertionError: ")
+
+
+def wrap(title: str, detail: str) -> str:
+    """The message, in lines of at most ``WIDTH`` characters."""
+    lines = textwrap.wrap(title, WIDTH, initial_indent=" " * PREFIX)
+    lines[0] = lines[0][PREFIX:]
+    for paragraph in detail.split("\n"):
+        lines += textwrap.wrap(
+            paragraph, WIDTH, initial_indent="  ", subsequent_indent="  "
+        ) or [""]
+    return "\n".join(lines)
