@@ -11,6 +11,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mha.serving import blocks as blocks_module
 from mha.serving.blocks import BlockAllocator, OutOfBlocks, block_hashes, chain_hash
 
@@ -148,3 +150,52 @@ def test_bad_arguments_are_refused_by_name() -> None:
         allocator.register(block, None, [1, 2, 3])
     with pytest.raises(ValueError, match="block 2 is not allocated"):
         allocator.register(2, None, [1, 2, 3, 4])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["prompt", "free", "grow"]), st.integers(0, 3), st.integers(1, 9)
+        ),
+        max_size=30,
+    )
+)
+def test_counts_free_list_and_cache_stay_consistent(operations) -> None:
+    # Prompts drawn from a few shared prefixes, freed and grown in any order: every block's count
+    # is the number of sequences holding it, the free blocks are those with count 0, no block is
+    # held twice by one sequence, and a cache hit hands out the tokens that were registered.
+    allocator = BlockAllocator(12, SIZE)
+    sequences: list[tuple[list[int], list[int]]] = []  # (tokens, blocks)
+    written: dict[int, tuple] = {}  # block -> tokens its keys hold, once full
+    for action, pick, length in operations:
+        if action == "prompt":
+            tokens = [pick] * 4 + [pick + 1] * 4 + list(range(length))
+            try:
+                blocks, cached = allocator.allocate_prompt(tokens)
+            except OutOfBlocks:
+                continue
+            for j, block in enumerate(blocks[: cached // SIZE]):  # hits hold these tokens
+                assert written[block] == tuple(tokens[j * SIZE : (j + 1) * SIZE])
+            for j in range(cached // SIZE, len(blocks)):  # fresh blocks: what they now hold
+                written[blocks[j]] = tuple(tokens[j * SIZE : (j + 1) * SIZE])
+            parent = None
+            for j in range(len(tokens) // SIZE):
+                parent = allocator.register(blocks[j], parent, tokens[j * SIZE : (j + 1) * SIZE])
+            sequences.append((tokens, blocks))
+        elif action == "free" and sequences:
+            _, blocks = sequences.pop(pick % len(sequences))
+            allocator.free(blocks)
+        elif action == "grow" and sequences and allocator.num_free:
+            tokens, blocks = sequences[pick % len(sequences)]
+            if len(tokens) % SIZE == 0:  # the last block is full: a new one
+                blocks.append(allocator.allocate())
+            tokens.append(length)
+            written[blocks[-1]] = tuple(tokens[(len(blocks) - 1) * SIZE :])
+        held = [0] * allocator.num_blocks
+        for _, blocks in sequences:
+            assert len(set(blocks)) == len(blocks)
+            for block in blocks:
+                held[block] += 1
+        assert allocator.ref_counts == held
+        assert allocator.num_free == held.count(0)
