@@ -25,6 +25,8 @@ pin it (``tests/test_rooms.py`` keeps the table true):
 * :mod:`mha.caches` - the key/value cache protocol and its caches
 * :mod:`mha.configs` - one reader of transformers' configurations
 * :mod:`mha.environment` - what measured figures depend on
+* :mod:`mha.backends` - attention backends by name, each with its masks
+* :mod:`mha.model` - a whole Llama-family model, its attention a switch
 
 The order inside a topic: the NumPy reference first, then the torch or fast
 version, tests that pin one to the other, a benchmark entry, the chapter.
@@ -70,6 +72,8 @@ _LAZY = {
     "copy_to_ranks": "mha.parallel",
     "sum_over_ranks": "mha.parallel",
     "RollingKVCache": "mha.caches",
+    "CausalLM": "mha.model",
+    "attention_backends": "mha.backends",
 }
 
 __all__ = [*reference.__all__, *_LAZY]

@@ -40,6 +40,7 @@ from ._validate import check_int
 
 __all__ = [
     "Cache",
+    "cached_so_far",
     "KVCache",
     "ConcatKVCache",
     "PagedKVCache",
@@ -75,6 +76,16 @@ class Cache(Protocol):
         *,
         v: Tensor | None = None,
     ) -> None: ...
+
+
+def cached_so_far(cache: Cache) -> int | Tensor:
+    """Positions the cache has seen, read once before a step: an int, or
+    under ``torch.compile`` a 0-dim tensor (a count the compiler would guard
+    as a constant, and compile again for every step, must stay a tensor)."""
+    length = getattr(cache, "length", None)
+    if torch.compiler.is_compiling() and isinstance(length, Tensor):
+        return length.clone()  # update() counts on in place
+    return cache.seen  # len(cache), or more where the cache forgets
 
 
 class KVCache:

@@ -30,7 +30,7 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 INERT_FIELDS = frozenset(
     "_name_or_path architectures bos_token_id chunk_size_feed_forward dtype "
     "id2label initializer_range is_encoder_decoder label2id "
-    "output_attentions output_hidden_states pad_token_id problem_type "
+    "output_attentions output_hidden_states problem_type "
     "return_dict tokenizer_class torch_dtype transformers_version use_cache "
     "max_window_layers use_sliding_window model_type".split()
 )
@@ -41,7 +41,7 @@ READ_FIELDS = frozenset(
     "num_attention_heads num_key_value_heads head_dim hidden_act "
     "rms_norm_eps rope_parameters rope_scaling rope_theta "
     "max_position_embeddings attention_bias attention_dropout mlp_bias "
-    "tie_word_embeddings sliding_window layer_types eos_token_id "
+    "tie_word_embeddings sliding_window layer_types eos_token_id pad_token_id "
     "pretraining_tp".split()
 )
 
@@ -91,6 +91,7 @@ class ModelConfig:
     sliding_window: int | None = None
     windows: tuple[int | None, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
 
     def require(self, *names: str) -> None:
         """Raise ValueError naming the first of ``names`` that is None."""
@@ -142,6 +143,7 @@ def read_config(config: object) -> ModelConfig:
         sliding_window=window,
         windows=_windows(fields, model_type, layers, window),
         eos_token_ids=_eos(fields.get("eos_token_id")),
+        pad_token_id=_optional_int(fields, "pad_token_id", minimum=0),
     )
 
 
@@ -250,6 +252,6 @@ def _eos(value: object) -> tuple[int, ...]:
     return tuple(check_int("eos_token_id", v, minimum=0) for v in values)
 
 
-def _optional_int(fields: dict, name: str) -> int | None:
+def _optional_int(fields: dict, name: str, minimum: int = 1) -> int | None:
     value = fields.get(name)
-    return None if value is None else check_int(name, value)
+    return None if value is None else check_int(name, value, minimum=minimum)

@@ -42,7 +42,13 @@ from ._validate import (
     check_positions,
     check_probability,
 )
-from .caches import Cache, ConcatKVCache, KVCache, PagedKVCache
+from .caches import (
+    Cache,
+    ConcatKVCache,
+    KVCache,
+    PagedKVCache,
+    cached_so_far,
+)
 from .configs import read_config
 from .functional import (
     causal_mask,
@@ -283,14 +289,7 @@ class GroupedQueryAttention(nn.Module):
             _check_attn_mask(attn_mask, B, self.num_heads, T, cache)
 
 
-def _cached_so_far(cache: Cache) -> int | Tensor:
-    """How many positions the cache held before this step: an int, or under
-    ``torch.compile`` a 0-dim tensor (a count the compiler would guard as a
-    constant, and compile again for every step, must stay in a tensor)."""
-    length = getattr(cache, "length", None)
-    if torch.compiler.is_compiling() and isinstance(length, Tensor):
-        return length.clone()  # update() counts on in place
-    return cache.seen  # len(cache), or more where the cache forgets
+_cached_so_far = cached_so_far  # the count before a step (mha.caches)
 
 
 def _mask(

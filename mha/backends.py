@@ -1,0 +1,376 @@
+"""Attention backends: one signature, registered by name, each with its masks.
+
+A backend computes softmax(q k^T / sqrt(d_k)) v for q (B, H, T_q, d_k) and
+k, v (B, H_kv, T_k, d_k), ``H_kv`` dividing ``H`` (query head h reads
+key/value head h // (H / H_kv)), under a :class:`Masking`: what the call
+must hide, written once for every backend. The model (:mod:`mha.model`)
+never knows which backend runs (transformers' ``AttentionInterface`` works
+so). Unlike a registration that forgets the mask (transformers PR #45811),
+every backend here declares the kinds of mask it takes, and
+:func:`attend` refuses, by name, a call that needs another: a backend never
+runs without a mask it was given.
+
+The kinds (:data:`MASK_KINDS`): ``causal`` (query i sees keys up to its own
+position), ``window`` (and only the ``window`` newest of them),
+``padding`` (a (B, T_k) key-padding mask: False at a pad), ``dense`` (any
+boolean mask broadcastable to (B, H, T_q, T_k)) and ``offset`` (the
+queries' position and the keys written are tensors: a compiled decode step
+over a whole preallocated cache). A mask that hides nothing is no kind: a
+single newest query needs no causal mask, a window wider than every
+distance no window.
+
+Backends: ``eager`` (the written-out softmax, :func:`mha.decoding
+.grouped_attention`), ``sdpa`` (``F.scaled_dot_product_attention``),
+``tiled`` (:func:`mha.flash_attention_torch`), ``triton`` (the Triton
+kernels, :mod:`mha.kernels`; split-KV for a single query) and ``flex``
+(FlexAttention with chapter 15's mask functions, :mod:`mha.variants`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._validate import check_same, check_tensor
+
+__all__ = [
+    "MASK_KINDS",
+    "Masking",
+    "Backend",
+    "BACKENDS",
+    "register",
+    "attention_backends",
+    "get_backend",
+    "attend",
+    "check_qkv",
+]
+
+MASK_KINDS = ("causal", "window", "padding", "dense", "offset")
+
+
+@dataclasses.dataclass(frozen=True)
+class Masking:
+    """What one attention call hides, in the keys' index (0 .. T_k - 1).
+
+    The queries are the newest: query i stands at key index ``q_offset +
+    i`` (default ``T_k - T_q``, aligned bottom-right). ``causal``: it sees
+    keys up to its own index; ``window``: only keys j with ``i' - j <
+    window`` (i' its index; Mistral's sliding window); ``padding`` (B, T_k)
+    bool, False at a pad key; ``dense`` bool broadcastable to (B, H, T_q,
+    T_k), True = may attend; ``key_end``: keys from this index on are not
+    written yet (a compiled step reads a whole preallocated cache).
+    """
+
+    causal: bool = True
+    window: int | None = None
+    q_offset: int | Tensor | None = None
+    key_end: int | Tensor | None = None
+    padding: Tensor | None = None
+    dense: Tensor | None = None
+
+    def offset(self, t_q: int, t_k: int) -> int | Tensor:
+        """The key index of the first query."""
+        return t_k - t_q if self.q_offset is None else self.q_offset
+
+    def kinds(self, t_q: int, t_k: int) -> set[str]:
+        """The kinds of mask this call needs (see the module)."""
+        offset = self.offset(t_q, t_k)
+        kinds = set()
+        if isinstance(offset, Tensor) or isinstance(self.key_end, Tensor):
+            kinds.add("offset")
+        elif self.key_end is not None and self.key_end < t_k:
+            kinds.add("offset")
+        newest = not isinstance(offset, Tensor) and offset + t_q == t_k
+        if self.causal and not (newest and t_q == 1):
+            kinds.add("causal")
+        span = t_k if isinstance(offset, Tensor) else offset + t_q
+        if self.window is not None and self.window < span:
+            kinds.add("window")
+        if self.padding is not None:
+            kinds.add("padding")
+        if self.dense is not None:
+            kinds.add("dense")
+        return kinds
+
+    def keep(self, t_q: int, t_k: int, device: torch.device) -> Tensor | None:
+        """The mask written out: bool (B or 1, 1 or H, T_q, T_k), True = may
+        attend; None where nothing is hidden."""
+        kinds = self.kinds(t_q, t_k)
+        if not kinds:
+            return None
+        key = torch.arange(t_k, device=device)  # (T_k,)
+        query = self.offset(t_q, t_k) + torch.arange(t_q, device=device)
+        keep = torch.ones(t_q, t_k, dtype=torch.bool, device=device)
+        if "causal" in kinds:
+            keep = keep & (key[None, :] <= query[:, None])  # (T_q, T_k)
+        if "window" in kinds:
+            keep = keep & (query[:, None] - key[None, :] < self.window)
+        if self.key_end is not None:
+            keep = keep & (key < self.key_end)[None, :]
+        keep = keep[None, None]  # (1, 1, T_q, T_k)
+        if self.padding is not None:
+            keep = keep & self.padding[:, None, None, :t_k]  # (B, 1, ., T_k)
+        if self.dense is not None:
+            keep = keep & self.dense
+        return keep
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A registered backend: its function and the kinds of mask it takes."""
+
+    name: str
+    function: Callable[[Tensor, Tensor, Tensor, Masking], Tensor]
+    masks: frozenset[str]
+    summary: str
+
+
+#: name -> :class:`Backend`, in the order of registration.
+BACKENDS: dict[str, Backend] = {}
+
+
+def register(name: str, *, masks: tuple[str, ...], summary: str):
+    """Decorator: ``function(q, k, v, masking) -> out`` as backend ``name``,
+    taking the kinds of mask ``masks`` (of :data:`MASK_KINDS`)."""
+    unknown = set(masks) - set(MASK_KINDS)
+    if unknown:
+        raise ValueError(f"masks must be among {MASK_KINDS}, got {unknown}")
+
+    def add(function):
+        BACKENDS[name] = Backend(name, function, frozenset(masks), summary)
+        return function
+
+    return add
+
+
+def attention_backends() -> tuple[str, ...]:
+    """The names of the registered backends."""
+    return tuple(BACKENDS)
+
+
+def get_backend(name: str) -> Backend:
+    """The backend registered as ``name``; ValueError naming the others."""
+    if name not in BACKENDS:
+        raise ValueError(
+            f"attn_backend must be one of {', '.join(map(repr, BACKENDS))}, "
+            f"got {name!r}"
+        )
+    return BACKENDS[name]
+
+
+def attend(
+    name: str, q: Tensor, k: Tensor, v: Tensor, masking: Masking
+) -> Tensor:
+    """Attention by backend ``name``: (B, H, T_q, d_k), after one check of
+    q, k, v (:func:`check_qkv`) and of the mask kinds the backend takes."""
+    backend = get_backend(name)
+    check_qkv(q, k, v)
+    needed = masking.kinds(q.shape[2], k.shape[2]) - backend.masks
+    if needed:
+        raise ValueError(
+            f"the {name!r} attention backend takes no {sorted(needed)} mask "
+            f"(it takes {sorted(backend.masks) or 'none'}): choose another "
+            f"backend, of {attention_backends()}"
+        )
+    return backend.function(q, k, v, masking)
+
+
+def check_qkv(q: object, k: object, v: object) -> None:
+    """The one check of attention's inputs, for every backend: q (B, H,
+    T_q, d_k), k and v (B, H_kv, T_k, d_k), H_kv dividing H; one floating
+    dtype, one device."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, ndim=4, shape="(B, H, T, d_k)")
+    check_same("q, k and v", (q, k, v))
+    if (
+        k.shape != v.shape
+        or q.shape[0] != k.shape[0]
+        or q.shape[3] != k.shape[3]
+        or q.shape[1] % k.shape[1]
+    ):
+        raise ValueError(
+            "q must have shape (B, H, T_q, d_k) and k, v (B, H_kv, T_k, "
+            f"d_k) with H_kv dividing H, got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+
+
+# ---------------------------------------------------------------------------
+# The backends
+
+
+@register("eager", masks=MASK_KINDS, summary="softmax(QK^T/sqrt(d))V")
+def eager(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
+    """The book's written-out attention; a row with no key gets zeros."""
+    from .decoding import grouped_attention
+
+    return grouped_attention(
+        q, k, v, masking.keep(q.shape[2], k.shape[2], q.device)
+    )
+
+
+@register("sdpa", masks=MASK_KINDS, summary="F.scaled_dot_product_attention")
+def sdpa(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
+    """torch's fused attention; a row with no key gets zeros (SDPA alone
+    would give NaN, which a pad's keys would carry into later layers)."""
+    t_q, t_k = q.shape[2], k.shape[2]
+    kinds = masking.kinds(t_q, t_k)
+    if kinds == {"causal"} and t_q == t_k:  # SDPA's own (top-left) flag
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        )
+    keep = masking.keep(t_q, t_k, q.device)
+    seen = None
+    if kinds & {"padding", "dense", "offset"}:  # rows may have no key
+        seen = keep.any(dim=-1, keepdim=True)  # (B or 1, ., T_q, 1)
+        keep = keep | ~seen
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=keep, enable_gqa=True
+    )
+    return out if seen is None else out * seen
+
+
+@register(
+    "tiled",
+    masks=("causal", "window", "padding"),
+    summary="mha.flash_attention_torch",
+)
+def tiled(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
+    """The tiled online softmax in torch (chapter 13)."""
+    from .flash import flash_attention_torch
+
+    def run(q, k, v, causal):
+        return flash_attention_torch(q, k, v, causal=causal)[0]
+
+    return _by_rows(run, q, k, v, masking)
+
+
+@register(
+    "triton",
+    masks=("causal", "window", "padding"),
+    summary="mha.kernels (Triton)",
+)
+def triton(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
+    """The Triton kernels (chapter 13): the tiled forward, the split-KV
+    kernel for a single query; Triton's interpreter on CPU tensors."""
+    from . import kernels
+
+    def run(q, k, v, causal):
+        if q.shape[2] == 1:
+            return kernels.triton_split_kv_attention(q, k, v, causal=causal)
+        return kernels.triton_attention(q, k, v, causal=causal)
+
+    return _by_rows(run, q, k, v, masking)
+
+
+def _by_rows(run, q: Tensor, k: Tensor, v: Tensor, masking: Masking):
+    """A kernel that takes bottom-right causal attention only, under the
+    masks it can be given by slicing the keys: left padding (each row from
+    its first real key) and a window (each query its ``window`` newest
+    keys, one query at a time). ``run(q, k, v, causal) -> out``."""
+    t_q, t_k = q.shape[2], k.shape[2]
+    kinds = masking.kinds(t_q, t_k)
+    offset = masking.offset(t_q, t_k)
+    if offset != t_k - t_q:
+        raise ValueError(
+            "q_offset must be T_k - T_q (the queries are the newest) for a "
+            f"tiled kernel, got {offset} with T_q, T_k = {t_q}, {t_k}"
+        )
+    if masking.padding is None and "window" not in kinds:
+        return run(q, k, v, "causal" in kinds)
+    starts = [0] * q.shape[0]
+    if masking.padding is not None:
+        starts = _left_pad_starts(masking.padding[:, :t_k]).tolist()
+    if "window" not in kinds:  # each row from its first real key
+        return torch.cat([
+            _run_keys(run, q[b : b + 1], k[b : b + 1], v[b : b + 1],
+                      start, t_k, "causal" in kinds)
+            for b, start in enumerate(starts)
+        ])  # fmt: skip
+    rows = []  # each query its window's keys: a single newest query
+    for b, start in enumerate(starts):
+        queries = []
+        for i in range(t_q):
+            end = offset + i + 1  # past the query's own key
+            first = max(start, end - masking.window)
+            queries.append(_run_keys(
+                run, q[b : b + 1, :, i : i + 1], k[b : b + 1],
+                v[b : b + 1], first, end, False,
+            ))  # fmt: skip
+        rows.append(torch.cat(queries, dim=2))
+    return torch.cat(rows)
+
+
+def _run_keys(run, q, k, v, first: int, end: int, causal: bool) -> Tensor:
+    """``run`` over keys first .. end - 1; zeros where there are none."""
+    if first >= end:
+        return torch.zeros_like(q)
+    return run(q, k[:, :, first:end], v[:, :, first:end], causal)
+
+
+def _left_pad_starts(padding: Tensor) -> Tensor:
+    """(B, T_k) key-padding mask -> (B,) index of each row's first real key;
+    ValueError unless every row is pads then real keys (left padding)."""
+    real = padding.to(torch.int64)
+    starts = real.shape[1] - real.sum(dim=1)  # (B,) pads
+    index = torch.arange(real.shape[1], device=padding.device)
+    if not torch.equal(index[None, :] >= starts[:, None], padding.bool()):
+        raise ValueError(
+            "a tiled kernel takes left padding only (each row's pads "
+            "before its real keys), got an attention_mask with pads "
+            "after real keys"
+        )
+    return starts
+
+
+@register("flex", masks=MASK_KINDS[:4], summary="FlexAttention, mask_mods")
+def flex(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
+    """FlexAttention under one mask_mod built from the masking, with
+    chapter 15's functions (:func:`mha.variants.causal`,
+    :func:`mha.variants.sliding_window`): compiled on a GPU, its unfused
+    form on the CPU (the same functions on every score)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from . import variants
+
+    t_q, t_k = q.shape[2], k.shape[2]
+    kinds = masking.kinds(t_q, t_k)
+    offset = torch.tensor(masking.offset(t_q, t_k), device=q.device)
+    parts = []
+    if "window" in kinds:
+        parts.append(variants.sliding_window(masking.window))
+    elif "causal" in kinds:
+        parts.append(variants.causal)
+    if masking.padding is not None:
+        padding = masking.padding[:, :t_k].to(q.device)
+        parts.append(lambda b, h, q_idx, kv_idx: padding[b, kv_idx])
+    if masking.dense is not None:
+        dense = masking.dense.expand(q.shape[0], q.shape[1], t_q, t_k)
+        parts.append(lambda b, h, q_idx, kv_idx: dense[b, h, q_idx - offset,
+                                                       kv_idx])  # fmt: skip
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        at = q_idx + offset  # the query's key index
+        keep = kv_idx >= 0
+        for part in parts:
+            keep = keep & part(b, h, at, kv_idx)
+        return keep
+
+    per_row = masking.padding is not None or masking.dense is not None
+    heads = q.shape[1] if masking.dense is not None else None
+    mask = create_block_mask(
+        mask_mod,
+        q.shape[0] if per_row else None,
+        heads,
+        t_q,
+        t_k,
+        device=q.device,
+        BLOCK_SIZE=128,
+    )
+    return variants.flex(
+        q, k, v, block_mask=mask, q_offset=0, compiled=q.is_cuda
+    )
