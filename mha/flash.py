@@ -49,7 +49,13 @@ import torch
 from numpy.typing import ArrayLike, NDArray
 from torch import Tensor
 
-from ._validate import check_int, check_same, check_scale, check_tensor
+from ._validate import (
+    check_int,
+    check_key_start,
+    check_same,
+    check_scale,
+    check_tensor,
+)
 from .reference import check_attention_inputs
 
 __all__ = [
@@ -423,10 +429,12 @@ def _tiled_forward(
     block_q: int,
     block_k: int,
     scale: float,
+    key_start: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`flash_attention` in torch; running sums in float32 or wider.
 
-    q (..., G, T_q, d_k), k and v (..., 1, T_k, d): grouped heads.
+    q (..., G, T_q, d_k), k and v (..., 1, T_k, d): grouped heads;
+    ``key_start`` (B,) int32 or None, B the first axis.
     """
     t_q, t_k = q.shape[-2], k.shape[-2]
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
@@ -445,23 +453,40 @@ def _tiled_forward(
             q_tile.shape[:-1] + v.shape[-1:], dtype=acc_dtype, device=q.device
         )  # (..., B_q, d_v)
         for cols in key_blocks(rows, t_q, t_k, block_k, causal):
-            scores = (q_tile @ k[..., cols, :].transpose(-1, -2)).to(acc_dtype)
+            k_tile, v_tile = k[..., cols, :], v[..., cols, :]
+            if key_start is not None:  # padding: hidden, and zeros
+                visible = _visible_keys(key_start, cols, q.ndim)
+                k_tile = k_tile.where(visible, 0.0)
+                v_tile = v_tile.where(visible, 0.0)
+            scores = (q_tile @ k_tile.transpose(-1, -2)).to(acc_dtype)
             scores = scores * scale  # (..., B_q, B_k)
             if causal:
                 keep = _causal_keep_torch(rows, cols, t_k - t_q, q.device)
                 scores = scores.masked_fill(~keep, -math.inf)
+            if key_start is not None:  # (B, 1, .., 1, B_k) over the scores
+                scores = scores.masked_fill(~visible.mT, -math.inf)
             m_new = torch.maximum(m, scores.amax(dim=-1))
             m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)
             rescale = torch.exp(m - m_safe)
             p = torch.exp(scores - m_safe[..., None])  # (..., B_q, B_k)
             ell = rescale * ell + p.sum(dim=-1)
-            pv = p.to(v.dtype) @ v[..., cols, :]  # (..., B_q, d_v)
+            pv = p.to(v.dtype) @ v_tile  # (..., B_q, d_v)
             acc = rescale[..., None] * acc + pv.to(acc_dtype)
             m = m_new
-        seen = ell > 0  # False: the query saw no key (T_q > T_k, causal)
+        seen = ell > 0  # False: the query saw no key (causal, or padding)
         out[..., rows, :] = (acc / ell.where(seen, 1.0)[..., None]).to(q.dtype)
         logsumexp[..., rows] = (m + torch.log(ell)).where(seen, -math.inf)
     return out, logsumexp
+
+
+def _visible_keys(key_start: Tensor, cols: slice, ndim: int) -> Tensor:
+    """(B, 1, ..., 1, B_k, 1) booleans: the keys ``cols`` that each row's
+    queries may see (at or after its ``key_start``); ``ndim`` axes, as a
+    key tile (B, H_kv, 1, B_k, d) has."""
+    key = torch.arange(cols.start, cols.stop, device=key_start.device)
+    visible = key[None, :] >= key_start[:, None]  # (B, B_k)
+    shape = (visible.shape[0],) + (1,) * (ndim - 3) + (visible.shape[1], 1)
+    return visible.reshape(shape)
 
 
 def _causal_keep_torch(
@@ -485,6 +510,7 @@ def _tiled_backward(
     block_q: int,
     block_k: int,
     scale: float,
+    key_start: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`flash_attention_backward` in torch, and the logsumexp's gradient.
 
@@ -506,11 +532,17 @@ def _tiled_backward(
         q_tile, do_tile = q[..., rows, :], d_out[..., rows, :]
         for cols in key_blocks(rows, t_q, t_k, block_k, causal):
             k_tile, v_tile = k[..., cols, :], v[..., cols, :]
+            if key_start is not None:  # padding: zeros, and no weight
+                visible = _visible_keys(key_start, cols, q.ndim)
+                k_tile = k_tile.where(visible, 0.0)
+                v_tile = v_tile.where(visible, 0.0)
             scores = (q_tile @ k_tile.transpose(-1, -2)).to(acc_dtype) * scale
             p = torch.exp(scores - logsumexp[..., rows, None])  # recomputed
             if causal:
                 keep = _causal_keep_torch(rows, cols, t_k - t_q, q.device)
                 p = p.masked_fill(~keep, 0.0)
+            if key_start is not None:
+                p = p.masked_fill(~visible.mT, 0.0)
             dv_tile = p.transpose(-1, -2) @ do_tile.to(acc_dtype)
             dv[..., cols, :] += dv_tile.sum(dim=-3, keepdim=True)
             dp = (do_tile @ v_tile.transpose(-1, -2)).to(acc_dtype)
@@ -529,15 +561,15 @@ class FlashAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, block_q, block_k, scale):
+    def forward(ctx, q, k, v, causal, block_q, block_k, scale, key_start):
         *grouped_qkv, grouped = group_heads(q, k, v)
         out, logsumexp = _tiled_forward(
-            *grouped_qkv, causal, block_q, block_k, scale
+            *grouped_qkv, causal, block_q, block_k, scale, key_start
         )
         out = ungroup_heads(out, grouped)  # (..., H, T_q, d_v)
         logsumexp = ungroup_heads(logsumexp[..., None], grouped)[..., 0]
         ctx.save_for_backward(q, k, v, out, logsumexp)
-        ctx.settings = (causal, block_q, block_k, scale)
+        ctx.settings = (causal, block_q, block_k, scale, key_start)
         return out, logsumexp
 
     @staticmethod
@@ -555,7 +587,7 @@ class FlashAttention(torch.autograd.Function):
             q, k, v, out, logsumexp, d_out, d_logsumexp, *ctx.settings
         )
         grads = ungroup_heads(dq, grouped), dk[..., 0, :, :], dv[..., 0, :, :]
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def flash_attention_torch(
@@ -567,6 +599,7 @@ def flash_attention_torch(
     block_q: int = DEFAULT_BLOCK,
     block_k: int = DEFAULT_BLOCK,
     scale: float | None = None,
+    key_start: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`flash_attention` for torch tensors, differentiable.
 
@@ -578,13 +611,23 @@ def flash_attention_torch(
             other leading axes.
         causal, block_q, block_k, scale: as in :func:`flash_attention`
             (``causal`` bottom-right aligned).
+        key_start: None, or (B,) integers on q's device for q of shape (B,
+            H, T_q, d_k): row b's keys 0..key_start[b] - 1 are padding (a
+            left-padded batch, see
+            :func:`mha.functional.key_start_from_attention_mask`), hidden
+            from its queries and read as zeros; as the Triton kernels'
+            ``key_start``. A query that sees no key gets zeros and a
+            logsumexp of -inf.
 
     Returns:
         ``(out, logsumexp)``: (..., H, T_q, d_v) in the inputs' dtype and
         (..., H, T_q) in float32 (float64 for float64 inputs).
     """
     scale = _check_torch(q, k, v, block_q, block_k, scale)
-    return FlashAttention.apply(q, k, v, bool(causal), block_q, block_k, scale)
+    key_start = check_key_start(key_start, q)
+    return FlashAttention.apply(
+        q, k, v, bool(causal), block_q, block_k, scale, key_start
+    )
 
 
 # ---------------------------------------------------------------------------

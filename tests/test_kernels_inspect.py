@@ -43,7 +43,7 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def test_help_lists_the_options() -> None:
     completed = _run("--help", timeout=120)
     assert completed.returncode == 0, completed.stderr
-    for option in ("--inspect", "--arch", "--cubin-dir", "--output"):
+    for option in ("--inspect", "--arch", "--mask", "--cubin-dir", "--output"):
         assert option in completed.stdout
 
 
@@ -54,38 +54,77 @@ def test_bad_arguments_are_refused_with_a_reason() -> None:
     assert completed.returncode == 2 and "arch must be among sm_80, sm_90" in completed.stderr
     completed = _run("--inspect", "--head-dim", "300", timeout=120)
     assert completed.returncode == 2 and "between 1 and 256" in completed.stderr
+    completed = _run("--inspect", "--mask", "sliding", timeout=120)
+    assert completed.returncode == 2 and "mask must be among causal, full" in completed.stderr
 
 
 def test_forward_kernel_compiles_for_a100_and_h100(tmp_path: Path) -> None:
-    # Two builds, from a process that imported mha.kernels for the interpreter (the command
-    # starts a compiling process itself): float16, d_k = 128, sm_80 and sm_90.
+    # Eight builds, from a process that imported mha.kernels for the interpreter (the command
+    # starts a compiling process itself): float16, d_k = 96 and 128, causal and full, sm_80 and
+    # sm_90.
     start = time.perf_counter()
     completed = _run(
-        "--inspect", "--arch", "sm_80,sm_90", "--dtype", "float16", "--head-dim", "128",
-        "--kernel", "forward", "--cubin-dir", str(tmp_path), "--output", str(tmp_path / "r.json"),
+        "--inspect", "--arch", "sm_80,sm_90", "--dtype", "float16", "--head-dim", "96,128",
+        "--kernel", "forward", "--mask", "causal,full", "--cubin-dir", str(tmp_path),
+        "--output", str(tmp_path / "r.json"),
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr
     assert time.perf_counter() - start < 240
     rows = [json.loads(line) for line in completed.stdout.splitlines()]
-    assert [(row["kernel"], row["arch"]) for row in rows] == [
-        ("forward", "sm_80"),
-        ("forward", "sm_90"),
+    assert [(row["kernel"], row["arch"], row["head_dim"], row["causal"]) for row in rows] == [
+        ("forward", arch, d_k, causal)
+        for arch in ("sm_80", "sm_90")
+        for d_k in (96, 128)
+        for causal in (True, False)
     ]
+    assert len({row["cubin"] for row in rows}) == len(rows)  # one file per build
     for row in rows:
         assert row["spill_bytes"] == 0 and row["stack_bytes"] == 0, row
         assert 0 < row["registers"] <= 255 and 0 < row["shared_bytes"] <= LIMITS[row["arch"]]
-        assert row["tensor_core_instructions"] > 0
+        assert row["tensor_core_instructions"] == row["hmma"] + row["hgmma"] > 0
         cubin = tmp_path / row["cubin"]
         assert cubin.read_bytes()[:4] == b"\x7fELF"
         sass = _sass(cubin)
         assert f"code for {row['arch']}" in sass  # sm_90: "sm_90a"
+        # The forward's two products per key tile, Q K^T (B_q x d x B_k) and P V (B_q x B_k x
+        # d), d = 128 (96 is padded to 128), B_q = 128, B_k = 64, 8 warps (the default tiles).
+        d, b_q, b_k, warps = 128, row["block_q"], row["block_k"], row["num_warps"]
+        assert (b_q, b_k, warps) == (128, 64, 8)
         if row["arch"] == "sm_80":
-            assert sass.count("HMMA.16816.F32") == row["tensor_core_instructions"]
+            # mma.sync m16n8k16: each warp owns b_q / warps = 16 query rows; Q K^T is
+            # (b_k / 8) x (d / 16) instructions, P V (d / 8) x (b_k / 16).
+            expected = (b_k // 8) * (d // 16) + (d // 8) * (b_k // 16)
+            assert sass.count("HMMA.16816.F32") == row["hmma"] == expected == 128
+            assert row["hgmma"] == row["hgmma_a_regs"] == row["hgmma_a_smem"] == 0
         else:
-            assert "HGMMA.64x" in sass
+            # wgmma m64nNk16, one per k-step of 16: Q K^T (N = b_k) reads Q and K from shared
+            # memory, d / 16 = 8 of them; P V (N = d) reads P from registers, b_k / 16 = 4.
+            assert sass.count(f"HGMMA.64x{b_k}x16.F32") == row["hgmma_a_smem"] == d // 16
+            assert sass.count(f"HGMMA.64x{d}x16.F32") == row["hgmma_a_regs"] == b_k // 16
+            assert row["hgmma"] == sass.count("HGMMA.") == 12 and row["hmma"] == 0
     written = json.loads((tmp_path / "r.json").read_text())
     assert written["builds"] == rows
     assert written["environment"]["triton_version"] == _triton_version()
+
+
+def test_tensor_core_counts_read_where_hgmma_takes_a() -> None:
+    # Lines of cuobjdump -sass of the sm_90 float16 forward (d_k = 128): the first two take A
+    # and B from shared memory (one descriptor pair), the third takes A from registers.
+    from mha.kernels.aot import tensor_core_counts
+
+    code = """
+        /*1c00*/  HGMMA.64x64x16.F32 R88, gdesc[UR12], RZ, !UPT ;   /* 0x00e000000c5879f0 */
+        /*1c50*/  HGMMA.64x64x16.F32 R88, gdesc[UR12], R88 ;        /* 0x00e000000c5879f0 */
+        /*3fc0*/  HGMMA.64x128x16.F32 R24, R120, gdesc[UR12].tnspB, R24 ;  /* 0x41e0000c78187df0 */
+        /*0a10*/  HMMA.16816.F32 R24, R4, R8, R24 ;                 /* 0x000000080418723c */
+    """
+    assert tensor_core_counts(code) == {
+        "tensor_core_instructions": 4,
+        "hmma": 1,
+        "hgmma": 3,
+        "hgmma_a_regs": 1,
+        "hgmma_a_smem": 2,
+    }
 
 
 def _sass(cubin: Path) -> str:
@@ -111,16 +150,24 @@ def _committed() -> dict:
 def test_committed_inspection_covers_every_build_without_spills() -> None:
     result = _committed()
     rows = result["builds"]
-    builds = {(r["kernel"], r["arch"], r["dtype"], r["head_dim"]) for r in rows}
-    assert len(builds) == len(rows) == 4 * 2 * 3 * 3  # kernels, GPUs, dtypes, head sizes
-    assert {row["head_dim"] for row in rows} == {64, 128, 256}
+    builds = {(r["kernel"], r["arch"], r["dtype"], r["head_dim"], r["causal"]) for r in rows}
+    # kernels, GPUs, dtypes, head sizes, masks
+    assert len(builds) == len(rows) == 4 * 2 * 3 * 6 * 2
+    assert {row["head_dim"] for row in rows} == {64, 80, 96, 128, 192, 256}
+    assert {row["causal"] for row in rows} == {True, False}
     for row in rows:
         assert row["spill_bytes"] == 0 and row["stack_bytes"] == 0, row
+        assert row["tensor_core_instructions"] == row["hmma"] + row["hgmma"], row
+        assert row["hgmma"] == row["hgmma_a_regs"] + row["hgmma_a_smem"], row
+        if row["arch"] == "sm_80":  # mma.sync only: warpgroup products are sm_90's
+            assert row["hgmma"] == 0, row
         assert row["shared_bytes"] <= LIMITS[row["arch"]], row
         if row["arch"] == "sm_80":  # its tiles serve sm_86 and sm_89 too: 99 KB a program
             assert row["shared_bytes"] <= 99 * 1024, row
         if row["dtype"] != "float32":  # float32 products in full float32: no tensor cores
             assert row["tensor_core_instructions"] > 0, row
+        else:
+            assert row["tensor_core_instructions"] == 0, row
     environment = result["environment"]
     assert environment["git_commit"] and environment["date_utc"]
     assert result["command"].startswith("python -m mha.kernels --inspect")

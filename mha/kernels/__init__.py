@@ -22,9 +22,10 @@ before the first import of ``mha.kernels``; :data:`INTERPRETED` says which
 mode was chosen.
 
 The interpreter runs the kernel's exact code, one program after the other,
-so it checks correctness, never speed. Its bfloat16 ``tl.dot`` is wrong
-(Triton issues #11584 and #4972), so bfloat16 is refused there and tested on
-a GPU only.
+so it checks correctness, never speed. Its bfloat16 ``tl.dot`` multiplies
+the raw bit patterns (Triton issue #11584; an earlier one, #4972, is about
+bfloat16 ``tl.load`` there), so bfloat16 is refused there and tested on a
+GPU only.
 """
 
 from __future__ import annotations
@@ -100,10 +101,13 @@ def triton_attention(
     scale: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    key_start: Tensor | None = None,
 ) -> Tensor:
     """softmax(q k^T * scale) v for (B, H, T, d_k) tensors, by a Triton kernel.
 
-    Differentiable (the backward pass is two more kernels). See
+    Differentiable (the backward pass is two more kernels). ``key_start``
+    (B,) integers, or None: row b's keys before ``key_start[b]`` are
+    padding (a left-padded batch), hidden and never read. See
     :func:`mha.kernels.attention.triton_attention` for the arguments.
 
     Raises:
@@ -113,8 +117,9 @@ def triton_attention(
     from .attention import triton_attention as run
 
     return run(
-        q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k
-    )
+        q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k,
+        key_start=key_start,
+    )  # fmt: skip
 
 
 def triton_split_kv_attention(
@@ -125,15 +130,17 @@ def triton_split_kv_attention(
     causal: bool = False,
     scale: float | None = None,
     num_splits: int | None = None,
+    key_start: Tensor | None = None,
 ) -> Tensor:
     """Attention for few queries and many keys, the keys split across programs.
 
     The split-KV ("Flash-Decoding") kernel: each program attends one query
     tile to one range of keys and writes that range's output and
     logsumexp; the ranges are merged by a logsumexp-weighted sum. Same
-    arguments and result as :func:`triton_attention`, forward only (no
-    gradient). ``num_splits``: default, enough programs for every
-    multiprocessor of the GPU (132, an H100 SXM's, in the interpreter). See
+    arguments and result as :func:`triton_attention` (``key_start``
+    included), forward only (no gradient). ``num_splits``: default, enough
+    programs for every multiprocessor of the GPU (132, an H100 SXM's, in the
+    interpreter). See
     :func:`mha.kernels.attention.split_kv_forward`.
 
     Raises:
@@ -143,8 +150,9 @@ def triton_split_kv_attention(
     from .attention import split_kv_forward
 
     out, _ = split_kv_forward(
-        q, k, v, causal=causal, scale=scale, num_splits=num_splits
-    )
+        q, k, v, causal=causal, scale=scale, num_splits=num_splits,
+        key_start=key_start,
+    )  # fmt: skip
     return out
 
 

@@ -1,14 +1,16 @@
 """``python -m mha.kernels --inspect``: compile every kernel ahead of time.
 
 For each kernel (forward, the two backward kernels, split-KV), GPU
-(``sm_80``, the A100; ``sm_90``, the H100), dtype and head size (64, 128,
-256 by default), the kernel is compiled at its default launch settings,
-without a GPU, and one JSON line is printed: kernel, arch, dtype, head_dim,
-block_q, block_k, num_warps, num_stages, registers, stack_bytes, spill_bytes,
-shared_bytes, tensor_core_instructions and cubin (the file written to
-``--cubin-dir``, or null). ``--output`` also writes every line, with the
-environment (versions, date, commit), to one JSON
-file. See :mod:`mha.kernels.aot`.
+(``sm_80``, the A100; ``sm_90``, the H100), dtype, head size (64, 80, 96,
+128, 192, 256 by default) and mask (causal and full), the kernel is compiled
+at its default launch settings, without a GPU, and one JSON line is printed:
+kernel, arch, dtype, head_dim, causal, block_q, block_k, num_warps,
+num_stages, registers, stack_bytes, spill_bytes, shared_bytes,
+tensor_core_instructions (``hmma`` + ``hgmma``), hmma, hgmma, hgmma_a_regs,
+hgmma_a_smem (the ``HGMMA`` whose A operand is in registers, or in shared
+memory) and cubin (the file written to ``--cubin-dir``, or null).
+``--output`` also writes every line, with the environment (versions, date,
+commit), to one JSON file. See :mod:`mha.kernels.aot`.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from argparse import SUPPRESS
 from pathlib import Path
 
 from . import INTERPRETED, TRITON_AVAILABLE
+from .tiles import INSPECTED_HEAD_DIMS
 
 CHOICES = {
     "arch": ("sm_80", "sm_90"),
     "dtype": ("float16", "bfloat16", "float32"),
     "kernel": ("forward", "backward_dk_dv", "backward_dq", "split_kv"),
+    "mask": ("causal", "full"),
 }
 
 
@@ -92,14 +96,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--head-dim",
         type=_head_dims,
-        default=(64, 128, 256),
-        help="comma-separated head sizes d_k (1 to 256); default 64,128,256",
+        default=INSPECTED_HEAD_DIMS,
+        help="comma-separated head sizes d_k (1 to 256); default "
+        + ",".join(map(str, INSPECTED_HEAD_DIMS)),
     )
     p.add_argument(
         "--kernel",
         type=_names("kernel"),
         default=CHOICES["kernel"],
         help="comma-separated kernels; default all four",
+    )
+    p.add_argument(
+        "--mask",
+        type=_names("mask"),
+        default=CHOICES["mask"],
+        help="comma-separated masks: causal (bottom-right), full (no mask); "
+        "default both",
     )
     p.add_argument(
         "--cubin-dir",
@@ -189,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         args.cubin_dir.mkdir(parents=True, exist_ok=True)
     start, rows = time.perf_counter(), []
     for row in inspect_builds(
-        args.arch, args.dtype, args.head_dim, args.kernel, args.cubin_dir
-    ):
+        args.arch, args.dtype, args.head_dim, args.kernel, args.cubin_dir,
+        causal=tuple(mask == "causal" for mask in args.mask),
+    ):  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.output is not None:

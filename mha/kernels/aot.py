@@ -12,8 +12,14 @@ but no data), compiles each for the target and reads:
   loads from ``ptxas -v`` run again on the PTX: the two routes must agree;
 * shared memory per program: what Triton allocates (its metadata) plus what
   ``ptxas`` placed statically;
-* tensor-core instructions in the SASS (``cuobjdump -sass``): ``HMMA`` (sm_80
-  and sm_90) and ``HGMMA`` (sm_90's warpgroup products).
+* tensor-core instructions in the SASS (``cuobjdump -sass``), counted apart:
+  ``HMMA`` (a warp's products, ``mma.sync``: sm_80, and sm_90 where Triton
+  does not use the warpgroup products) and ``HGMMA`` (sm_90's warpgroup
+  products, ``wgmma``), and of the ``HGMMA`` those that take their A operand
+  from registers (``HGMMA.64x128x16.F32 R24, R120, gdesc[UR12]...``: A in
+  registers R120.., B described in shared memory) or from shared memory
+  (``HGMMA.64x64x16.F32 R88, gdesc[UR12], R88``: one descriptor pair for A
+  and B). B always comes from shared memory.
 
 The kernels must be decorated with ``TRITON_INTERPRET`` off, so
 :func:`inspect_builds` runs in a process where it is ("0"); ``python -m
@@ -37,15 +43,17 @@ from triton.runtime.jit import create_function_from_signature
 
 from . import INTERPRETED
 from . import attention as kernels
-from .tiles import SHARED_LIMIT
+from .tiles import INSPECTED_HEAD_DIMS, SHARED_LIMIT
 
 __all__ = [
     "ARCHS",
     "SHARED_LIMIT",
     "DTYPES",
+    "INSPECTED_HEAD_DIMS",
     "example_launches",
     "compile_launch",
     "read_build",
+    "tensor_core_counts",
     "inspect_builds",
     "sass",
 ]
@@ -64,11 +72,17 @@ DTYPES = {
 # sequence for the split-KV kernel.
 EXAMPLE = {"batch": 4, "heads": 32, "kv_heads": 8, "t": 4096}
 
-TENSOR_CORE = re.compile(r"\b(HGMMA|HMMA)\.")
+# One SASS instruction each: the destination registers come first, then A.
+HMMA = re.compile(r"\bHMMA\.")
+HGMMA = re.compile(r"\bHGMMA\.\S+\s+R\d+,\s+(R\d+|gdesc\[)")
 
 
 def example_launches(
-    kernel: str, dtype: torch.dtype, head_dim: int, capability: int
+    kernel: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    capability: int,
+    causal: bool = True,
 ) -> list:
     """The launch(es) of ``kernel`` that :mod:`mha.kernels.attention` makes,
     with its default tiles for the target, on meta tensors."""
@@ -82,7 +96,7 @@ def example_launches(
     q, k, v = tensor(heads, t_q), tensor(kv_heads, t), tensor(kv_heads, t)
     lse = torch.empty((batch, heads, t_q), device="meta")
     tiles = kernels.default_tiles(kernel, head_dim, dtype, major)
-    common = dict(causal=True, scale=head_dim**-0.5)
+    common = dict(causal=causal, scale=head_dim**-0.5)
     if kernel == "forward":
         return [kernels.forward_launch(q, k, v, q, lse, tiles=tiles, **common)]
     if kernel == "split_kv":
@@ -151,6 +165,23 @@ def sass(cubin: bytes) -> str:
         return _tool("cuobjdump", "-sass", str(path))
 
 
+def tensor_core_counts(code: str) -> dict:
+    """``HMMA`` and ``HGMMA`` instructions in SASS text, and how many of the
+    ``HGMMA`` read their A operand from registers or from shared memory."""
+    a_operands = HGMMA.findall(code)
+    hmma, hgmma = len(HMMA.findall(code)), len(a_operands)
+    if hgmma != code.count("HGMMA."):
+        raise RuntimeError(f"an HGMMA of unknown form in:\n{code}")
+    a_regs = sum(operand.startswith("R") for operand in a_operands)
+    return {
+        "tensor_core_instructions": hmma + hgmma,
+        "hmma": hmma,
+        "hgmma": hgmma,
+        "hgmma_a_regs": a_regs,
+        "hgmma_a_smem": hgmma - a_regs,
+    }
+
+
 def read_build(compiled, arch: str) -> dict:
     """Registers, stack, spills, shared memory, tensor-core instructions."""
     with tempfile.TemporaryDirectory() as folder:
@@ -182,18 +213,20 @@ def read_build(compiled, arch: str) -> dict:
         "spill_bytes": spills,
         "shared_bytes": compiled.metadata.shared
         + _number(r"SHARED:(\d+)", usage),
-        "tensor_core_instructions": len(TENSOR_CORE.findall(code)),
+        **tensor_core_counts(code),
     }
 
 
 def inspect_builds(
     archs=("sm_80", "sm_90"),
     dtypes=("float16", "bfloat16", "float32"),
-    head_dims=(64, 128, 256),
+    head_dims=INSPECTED_HEAD_DIMS,
     kernel_names=kernels.KERNELS,
     cubin_dir: Path | None = None,
+    causal=(True, False),
 ) -> Iterator[dict]:
-    """Compile each (kernel, arch, dtype, head_dim) and yield its row."""
+    """Compile each (kernel, arch, dtype, head_dim, causal) and yield its
+    row."""
     if INTERPRETED is not False:
         raise RuntimeError(
             "the kernels were decorated for Triton's interpreter: inspect in "
@@ -203,18 +236,24 @@ def inspect_builds(
         for dtype in dtypes:
             for head_dim in head_dims:
                 for name in kernel_names:
-                    yield _inspect_one(name, arch, dtype, head_dim, cubin_dir)
+                    for masked in causal:
+                        yield _inspect_one(
+                            name, arch, dtype, head_dim, masked, cubin_dir
+                        )
 
 
-def _inspect_one(name, arch, dtype, head_dim, cubin_dir) -> dict:
+def _inspect_one(name, arch, dtype, head_dim, causal, cubin_dir) -> dict:
     capability = ARCHS[arch]
-    (launch,) = example_launches(name, DTYPES[dtype], head_dim, capability)
+    (launch,) = example_launches(
+        name, DTYPES[dtype], head_dim, capability, causal
+    )
     compiled = compile_launch(launch, capability)
     row = {
         "kernel": name,
         "arch": arch,
         "dtype": dtype,
         "head_dim": head_dim,
+        "causal": bool(causal),
         "block_q": launch.constants["BLOCK_Q"],
         "block_k": launch.constants["BLOCK_K"],
         "num_warps": launch.constants["num_warps"],
@@ -223,7 +262,10 @@ def _inspect_one(name, arch, dtype, head_dim, cubin_dir) -> dict:
         "cubin": None,
     }
     if cubin_dir is not None:
-        path = Path(cubin_dir) / f"{name}_{arch}_{dtype}_d{head_dim}.cubin"
+        mask = "causal" if causal else "full"
+        path = (
+            Path(cubin_dir) / f"{name}_{arch}_{dtype}_d{head_dim}_{mask}.cubin"
+        )
         path.write_bytes(compiled.asm["cubin"])
         row["cubin"] = path.name
     return row

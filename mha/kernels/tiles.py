@@ -24,12 +24,18 @@ __all__ = [
     "split_sizes",
     "H100_MULTIPROCESSORS",
     "SHARED_LIMIT",
+    "INSPECTED_HEAD_DIMS",
 ]
 
 #: The most shared memory one program may use (bytes): 163 KB on compute
 #: capability 8.0 and 227 KB on 9.0 (CUDA C++ Programming Guide, technical
 #: specifications per compute capability).
 SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+
+#: The head sizes ``python -m mha.kernels --inspect`` compiles by default:
+#: 64, 128 and 256, and 80, 96 and 192, which the kernels pad to 128 and 256
+#: (``PADDED_DIM``) and so launch with those sizes' tiles.
+INSPECTED_HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -51,7 +57,8 @@ KERNELS = ("forward", "backward_dk_dv", "backward_dq", "split_kv")
 
 # Default tiles, chosen by compiling every kernel ahead of time (python -m
 # mha.kernels --inspect) so that no build spills registers to local memory
-# (at d_k 64, 128 and 256) and every program's shared memory fits the GPU:
+# (at d_k 64, 80, 96, 128, 192 and 256, causal or not: 288 builds) and every
+# program's shared memory fits the GPU:
 # (kernel, arch, bytes per element, padded head size) -> Tiles. Float32
 # products are computed in full float32 by the CUDA cores (no tensor cores),
 # which needs far more registers: smaller tiles, more warps. "sm_80" also
