@@ -243,10 +243,13 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     """The tiled online softmax in torch (chapter 13)."""
     from .flash import flash_attention_torch
 
-    def run(q, k, v, causal):
-        return flash_attention_torch(q, k, v, causal=causal)[0]
+    def run(q, k, v, causal, key_start):
+        out, _ = flash_attention_torch(
+            q, k, v, causal=causal, key_start=key_start
+        )
+        return out
 
-    return _by_rows(run, q, k, v, masking)
+    return _sliced(run, q, k, v, masking)
 
 
 @register(
@@ -259,19 +262,22 @@ def triton(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     kernel for a single query; Triton's interpreter on CPU tensors."""
     from . import kernels
 
-    def run(q, k, v, causal):
-        if q.shape[2] == 1:
-            return kernels.triton_split_kv_attention(q, k, v, causal=causal)
-        return kernels.triton_attention(q, k, v, causal=causal)
+    def run(q, k, v, causal, key_start):
+        attention = kernels.triton_attention
+        if q.shape[2] == 1:  # a decoding step: the keys split across programs
+            attention = kernels.triton_split_kv_attention
+        return attention(q, k, v, causal=causal, key_start=key_start)
 
-    return _by_rows(run, q, k, v, masking)
+    return _sliced(run, q, k, v, masking)
 
 
-def _by_rows(run, q: Tensor, k: Tensor, v: Tensor, masking: Masking):
-    """A kernel that takes bottom-right causal attention only, under the
-    masks it can be given by slicing the keys: left padding (each row from
-    its first real key) and a window (each query its ``window`` newest
-    keys, one query at a time). ``run(q, k, v, causal) -> out``."""
+def _sliced(run, q: Tensor, k: Tensor, v: Tensor, masking: Masking):
+    """A kernel that takes bottom-right causal attention and a key start per
+    row (left padding) only, under a window too: each query then attends to
+    its ``window`` newest keys, one query at a time (a decoding step is one
+    query). ``run(q, k, v, causal, key_start) -> out``."""
+    from .functional import key_start_from_attention_mask
+
     t_q, t_k = q.shape[2], k.shape[2]
     kinds = masking.kinds(t_q, t_k)
     offset = masking.offset(t_q, t_k)
@@ -280,51 +286,21 @@ def _by_rows(run, q: Tensor, k: Tensor, v: Tensor, masking: Masking):
             "q_offset must be T_k - T_q (the queries are the newest) for a "
             f"tiled kernel, got {offset} with T_q, T_k = {t_q}, {t_k}"
         )
-    if masking.padding is None and "window" not in kinds:
-        return run(q, k, v, "causal" in kinds)
-    starts = [0] * q.shape[0]
-    if masking.padding is not None:
-        starts = _left_pad_starts(masking.padding[:, :t_k]).tolist()
-    if "window" not in kinds:  # each row from its first real key
-        return torch.cat([
-            _run_keys(run, q[b : b + 1], k[b : b + 1], v[b : b + 1],
-                      start, t_k, "causal" in kinds)
-            for b, start in enumerate(starts)
-        ])  # fmt: skip
-    rows = []  # each query its window's keys: a single newest query
-    for b, start in enumerate(starts):
-        queries = []
-        for i in range(t_q):
-            end = offset + i + 1  # past the query's own key
-            first = max(start, end - masking.window)
-            queries.append(_run_keys(
-                run, q[b : b + 1, :, i : i + 1], k[b : b + 1],
-                v[b : b + 1], first, end, False,
-            ))  # fmt: skip
-        rows.append(torch.cat(queries, dim=2))
-    return torch.cat(rows)
-
-
-def _run_keys(run, q, k, v, first: int, end: int, causal: bool) -> Tensor:
-    """``run`` over keys first .. end - 1; zeros where there are none."""
-    if first >= end:
-        return torch.zeros_like(q)
-    return run(q, k[:, :, first:end], v[:, :, first:end], causal)
-
-
-def _left_pad_starts(padding: Tensor) -> Tensor:
-    """(B, T_k) key-padding mask -> (B,) index of each row's first real key;
-    ValueError unless every row is pads then real keys (left padding)."""
-    real = padding.to(torch.int64)
-    starts = real.shape[1] - real.sum(dim=1)  # (B,) pads
-    index = torch.arange(real.shape[1], device=padding.device)
-    if not torch.equal(index[None, :] >= starts[:, None], padding.bool()):
-        raise ValueError(
-            "a tiled kernel takes left padding only (each row's pads "
-            "before its real keys), got an attention_mask with pads "
-            "after real keys"
-        )
-    return starts
+    key_start = None
+    if masking.padding is not None:  # (B,) int32: each row's first key
+        padding = masking.padding[:, :t_k]
+        key_start = key_start_from_attention_mask(padding).to(q.device)
+    if "window" not in kinds:
+        return run(q, k, v, "causal" in kinds, key_start)
+    heads = []  # each query its window's keys, as the newest query
+    for i in range(t_q):
+        end = offset + i + 1  # past the query's own key
+        first = max(0, end - masking.window)
+        start = None if key_start is None else (key_start - first).clamp(0)
+        keys = slice(first, end)
+        heads.append(run(q[:, :, i : i + 1], k[:, :, keys], v[:, :, keys],
+                         False, start))  # fmt: skip
+    return torch.cat(heads, dim=2)
 
 
 @register("flex", masks=MASK_KINDS[:4], summary="FlexAttention, mask_mods")

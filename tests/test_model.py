@@ -293,7 +293,7 @@ def test_every_family_equals_transformers(config_class, model_class, extra) -> N
 def test_a_backend_refuses_a_mask_it_does_not_take_by_name() -> None:
     q = torch.zeros(1, 2, 3, 8)
     padding = torch.tensor([[True, False, True]])  # a hole: not left padding
-    with pytest.raises(ValueError, match="takes left padding only"):
+    with pytest.raises(ValueError, match="attention_mask must be left-padded"):
         attend("tiled", q, q, q, Masking(padding=padding))
     with pytest.raises(ValueError, match=r"'tiled' attention backend takes no \['dense'\] mask"):
         attend("tiled", q, q, q, Masking(dense=torch.ones(3, 3, dtype=torch.bool)))
