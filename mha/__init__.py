@@ -74,6 +74,7 @@ _LAZY = {
     "RollingKVCache": "mha.caches",
     "CausalLM": "mha.model",
     "attention_backends": "mha.backends",
+    "register_transformers_backends": "mha.backends",
 }
 
 __all__ = [*reference.__all__, *_LAZY]

@@ -47,6 +47,7 @@ __all__ = [
     "get_backend",
     "attend",
     "check_qkv",
+    "register_transformers_backends",
 ]
 
 MASK_KINDS = ("causal", "window", "padding", "dense", "offset")
@@ -292,15 +293,36 @@ def _sliced(run, q: Tensor, k: Tensor, v: Tensor, masking: Masking):
         key_start = key_start_from_attention_mask(padding).to(q.device)
     if "window" not in kinds:
         return run(q, k, v, "causal" in kinds, key_start)
-    heads = []  # each query its window's keys, as the newest query
-    for i in range(t_q):
-        end = offset + i + 1  # past the query's own key
-        first = max(0, end - masking.window)
-        start = None if key_start is None else (key_start - first).clamp(0)
-        keys = slice(first, end)
-        heads.append(run(q[:, :, i : i + 1], k[:, :, keys], v[:, :, keys],
-                         False, start))  # fmt: skip
+    heads = []  # each query attends alone to its window of newest keys
+    chunk = max(1, 2**22 // (masking.window * k.shape[1] * k.shape[3]))
+    for first in range(0, t_q, chunk):
+        rows = range(first, min(first + chunk, t_q))
+        heads.append(_windows(run, q, k, v, masking.window, offset, rows,
+                              key_start))  # fmt: skip
     return torch.cat(heads, dim=2)
+
+
+def _windows(run, q, k, v, window: int, offset: int, rows: range, key_start):
+    """Queries ``rows`` as rows of their own, each with its ``window``
+    keys (gathered: a single newest query, no causal mask), in one call.
+    ``key_start`` (B,) or None: the pads before each row's first key."""
+    B, H, _, d_k = q.shape
+    ends = offset + torch.arange(rows.start, rows.stop) + 1  # (n,) past own
+    index = ends[:, None] - window + torch.arange(window)  # (n, W) keys
+    keys = index.clamp(min=0).to(k.device)
+    k_rows = k[:, :, keys].transpose(1, 2).flatten(0, 1)  # (B n, H_kv, W, d)
+    v_rows = v[:, :, keys].transpose(1, 2).flatten(0, 1)
+    q_rows = q[:, :, rows.start : rows.stop].transpose(1, 2)  # (B, n, H, d)
+    q_rows = q_rows.flatten(0, 1)[:, :, None]  # (B n, H, 1, d_k)
+    real = (
+        torch.zeros(B, dtype=torch.int64)
+        if key_start is None
+        else (key_start.cpu().to(torch.int64))
+    )  # first real key of each row
+    starts = (real[:, None] - index[None, :, 0]).clamp(min=0)  # (B, n)
+    starts = starts.flatten().to(torch.int32).to(q.device)
+    out = run(q_rows, k_rows, v_rows, False, starts)  # (B n, H, 1, d_k)
+    return out[:, :, 0].unflatten(0, (B, len(rows))).transpose(1, 2)
 
 
 @register("flex", masks=MASK_KINDS[:4], summary="FlexAttention, mask_mods")
@@ -350,3 +372,86 @@ def flex(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     return variants.flex(
         q, k, v, block_mask=mask, q_offset=0, compiled=q.is_cuda
     )
+
+
+# ---------------------------------------------------------------------------
+# The backends in transformers' models
+
+
+#: transformers' names of the backends it may run (no "flash" in a name:
+#: transformers reads such a name as a kernel to fetch from its hub).
+TRANSFORMERS_NAMES = {"mha_tiled": "tiled", "mha_triton": "triton",
+                      "mha_flex": "flex"}  # fmt: skip
+
+
+def register_transformers_backends() -> tuple[str, ...]:
+    """Register ``mha_tiled``, ``mha_triton`` and ``mha_flex`` in
+    transformers' ``AttentionInterface``, each with its mask function in
+    ``AttentionMaskInterface``, so that ``AutoModelForCausalLM
+    .from_config(config, attn_implementation="mha_triton")`` runs our
+    kernels. The mask function hands the attention function the key-padding
+    mask (B, T_k), as flash-attention's does; the attention function adds
+    the layer's causal flag and sliding window (:class:`Masking`), so no
+    mask is dropped. Returns the names."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    for hf_name, name in TRANSFORMERS_NAMES.items():
+        AttentionInterface.register(hf_name, _transformers_attention(name))
+        AttentionMaskInterface.register(hf_name, _key_padding_mask)
+    return tuple(TRANSFORMERS_NAMES)
+
+
+def _transformers_attention(name: str):
+    """transformers' attention signature around backend ``name``."""
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0,
+                  scaling=None, sliding_window=None, is_causal=None,
+                  **kwargs):  # fmt: skip
+        d_k = query.shape[-1]
+        refused = {
+            "dropout": dropout if module.training and dropout else None,
+            "scaling": None if scaling in (None, d_k**-0.5) else scaling,
+            "softcap": kwargs.get("softcap"),
+            "s_aux": kwargs.get("s_aux"),  # learned sinks
+        }
+        refused = {k: v for k, v in refused.items() if v is not None}
+        if refused:
+            raise ValueError(
+                f"the {name!r} backend does not implement {refused}"
+            )
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(
+                f"the {name!r} backend takes its own mask function's (B, "
+                f"T_k) key-padding mask, got shape "
+                f"{tuple(attention_mask.shape)}"
+            )
+        if attention_mask is not None and (
+            attention_mask.shape[1] != key.shape[2]
+        ):
+            raise ValueError(
+                f"attention_mask covers {attention_mask.shape[1]} keys, the "
+                f"cache returned {key.shape[2]} (a static cache's unwritten "
+                f"slots are not served by {name!r}: use a DynamicCache)"
+            )
+        causal = getattr(module, "is_causal", True)
+        masking = Masking(
+            causal=causal if is_causal is None else bool(is_causal),
+            window=sliding_window,
+            padding=attention_mask,
+        )
+        out = attend(name, query, key, value, masking)  # (B, H, T, d_k)
+        return out.transpose(1, 2).contiguous(), None  # (B, T, H, d_k)
+
+    return attention
+
+
+def _key_padding_mask(batch_size, q_length, kv_length, q_offset=0,
+                      kv_offset=0, mask_function=None, attention_mask=None,
+                      **kwargs):  # fmt: skip
+    """transformers' mask function: the (B, kv_length) key-padding mask of
+    the newest keys, bool, or None where no key is a pad."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, -kv_length:].to(torch.bool)
+    return None if bool(mask.all()) else mask

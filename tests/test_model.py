@@ -318,3 +318,32 @@ def test_model_input_errors_name_the_argument() -> None:
         model.generate(ids, 2, attention_mask=mask.flip(1))
     with pytest.raises(ValueError, match="top_p must lie in"):
         model.generate(ids, 2, do_sample=True, top_p=0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Our backends inside transformers' own model
+
+
+@pytest.mark.parametrize("name", ["mha_tiled", "mha_triton", "mha_flex"])
+def test_transformers_model_on_our_backends_equals_its_eager_model(name: str) -> None:
+    from mha import register_transformers_backends
+    from transformers import AutoModelForCausalLM
+
+    assert name in register_transformers_backends()
+    eager = transformers_models()["float32"]  # Mistral's family, window 6 < T
+    theirs = AutoModelForCausalLM.from_config(eager.config, attn_implementation=name).eval()
+    theirs.load_state_dict(eager.state_dict())
+    assert theirs.config._attn_implementation == name
+    ids, mask, positions = inputs()
+    keep = mask.bool()
+    with torch.no_grad():
+        expected = eager(ids, attention_mask=mask, position_ids=positions).logits[keep]
+        actual = theirs(ids, attention_mask=mask, position_ids=positions).logits[keep]
+        tokens = [
+            model.generate(
+                ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=8, do_sample=False
+            )
+            for model in (eager, theirs)
+        ]
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-4)
+    assert torch.equal(*tokens)
