@@ -260,14 +260,20 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
 )
 def triton(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     """The Triton kernels (chapter 13): the tiled forward, the split-KV
-    kernel for a single query; Triton's interpreter on CPU tensors."""
+    kernel for a single query; Triton's interpreter on CPU tensors (there
+    with two splits: the interpreter runs one program after the other, and
+    two already merge partial results)."""
     from . import kernels
 
     def run(q, k, v, causal, key_start):
-        attention = kernels.triton_attention
         if q.shape[2] == 1:  # a decoding step: the keys split across programs
-            attention = kernels.triton_split_kv_attention
-        return attention(q, k, v, causal=causal, key_start=key_start)
+            return kernels.triton_split_kv_attention(
+                q, k, v, causal=causal, key_start=key_start,
+                num_splits=2 if kernels.INTERPRETED else None,
+            )  # fmt: skip
+        return kernels.triton_attention(
+            q, k, v, causal=causal, key_start=key_start
+        )
 
     return _sliced(run, q, k, v, masking)
 

@@ -15,6 +15,7 @@ step) and grouped heads (4 query heads, 2 key/value heads).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -341,9 +342,71 @@ def test_transformers_model_on_our_backends_equals_its_eager_model(name: str) ->
         actual = theirs(ids, attention_mask=mask, position_ids=positions).logits[keep]
         tokens = [
             model.generate(
-                ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=8, do_sample=False
+                ids[:, :6], attention_mask=mask[:, :6], max_new_tokens=6, do_sample=False
             )
             for model in (eager, theirs)
         ]
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-4)
     assert torch.equal(*tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: transformers' warpers, in its order, then one seeded draw
+
+
+def test_sampling_keeps_the_tokens_transformers_warpers_keep() -> None:
+    from mha.model import sample
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    scores = torch.randn(3, 128, generator=torch.Generator().manual_seed(5))
+    warpers = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.8)]
+    warped = scores.clone()
+    for warper in warpers:
+        warped = warper(None, warped)
+    probabilities = warped.softmax(dim=-1)  # transformers' distribution
+    draws = torch.stack(
+        [sample(scores, 0.7, 20, 0.8, torch.Generator().manual_seed(s)) for s in range(400)]
+    )  # (400, 3)
+    allowed = probabilities > 0
+    assert allowed[torch.arange(3), draws].all()  # never a token transformers cut
+    counts = torch.zeros(3, 128).scatter_add_(1, draws.T, torch.ones(3, 400))
+    assert (counts / 400 - probabilities).abs().max() < 0.08  # the same distribution
+    expected = torch.multinomial(probabilities, 1, generator=torch.Generator().manual_seed(9))
+    actual = sample(scores, 0.7, 20, 0.8, torch.Generator().manual_seed(9))
+    assert torch.equal(actual, expected[:, 0])  # one draw from the same numbers
+
+
+def test_generate_samples_reproducibly_and_top_k_1_is_greedy() -> None:
+    model = ours("sdpa", "float32")
+    ids, mask, _ = inputs()
+    prompt = dict(input_ids=ids[:, :6], max_new_tokens=10, attention_mask=mask[:, :6])
+    greedy = model.generate(**prompt)
+    assert torch.equal(model.generate(**prompt, do_sample=True, top_k=1), greedy)
+    runs = [
+        model.generate(
+            **prompt,
+            do_sample=True,
+            temperature=1.5,
+            top_p=0.9,
+            generator=torch.Generator().manual_seed(3),
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    assert torch.equal(*runs) and not torch.equal(runs[0], greedy)
+
+
+def test_each_row_stops_at_eos() -> None:
+    model = ours("sdpa", "float32")
+    ids, mask, _ = inputs()
+    free = model.generate(ids[:, :6], 10, attention_mask=mask[:, :6])
+    eos = int(free[1, 8])  # row 1's third new token
+    model.config = dataclasses.replace(model.config, eos_token_ids=(eos,), pad_token_id=0)
+    stopped = model.generate(ids[:, :6], 10, attention_mask=mask[:, :6])
+    row = stopped[1, 6:].tolist()
+    first = row.index(eos)
+    assert row[: first + 1] == free[1, 6 : 7 + first].tolist()
+    assert set(row[first + 1 :]) <= {0}  # padded after its eos
