@@ -410,3 +410,75 @@ def test_each_row_stops_at_eos() -> None:
     first = row.index(eos)
     assert row[: first + 1] == free[1, 6 : 7 + first].tolist()
     assert set(row[first + 1 :]) <= {0}  # padded after its eos
+
+
+# ---------------------------------------------------------------------------------------------
+# Every field of a configuration: accepted means equal to transformers, otherwise refused by name
+
+FIELD_CHANGES = {
+    "vocab_size": 96,
+    "hidden_size": 96,
+    "intermediate_size": 80,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "hidden_act": "gelu",
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 0.5,
+    "tie_word_embeddings": True,
+    "attention_bias": True,
+    "mlp_bias": True,
+    "rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0},
+    "sliding_window": 4,
+    "use_sliding_window": True,
+    "max_window_layers": 1,
+    "pretraining_tp": 2,
+    "attention_dropout": 0.3,
+    "eos_token_id": 5,
+    "bos_token_id": 3,
+    "pad_token_id": 0,
+    "initializer_range": 0.5,
+    "use_cache": False,
+    "partial_rotary_factor": 0.5,
+    "attn_logit_softcapping": 50.0,
+    "query_pre_attn_scalar": 144,
+    "final_logit_softcapping": 30.0,
+}
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_field_is_equal_to_transformers_or_refused_by_name(family: str) -> None:
+    config_class, model_class = FAMILIES[family]
+    base = {**config_class(**SMALL).to_dict(), "sliding_window": None}
+    ids, _, _ = inputs()
+    accepted, refused = [], []
+    for field, value in FIELD_CHANGES.items():
+        fields = {**base, field: value}
+        if field == "partial_rotary_factor":  # lives in rope_parameters
+            fields = {**base, "rope_parameters": {**base["rope_parameters"], field: value}}
+        try:
+            ours = CausalLM.from_config(fields).eval()
+        except ValueError as error:
+            assert field in str(error), f"{family}: {field} refused without its name: {error}"
+            refused.append(field)
+            continue
+        config = config_class(**{k: v for k, v in fields.items() if k != "model_type"})
+        config._attn_implementation = "eager"
+        torch.manual_seed(4)
+        theirs = model_class(config).eval()
+        ours.load_state_dict(theirs.state_dict())
+        with torch.no_grad():
+            expected = theirs(ids % config.vocab_size).logits
+            actual = ours(ids % config.vocab_size)
+        error = (actual - expected).abs().max().item()
+        assert error < 1e-4, f"{family}: {field} = {value!r} accepted but off by {error:.3g}"
+        accepted.append(field)
+    assert {"attn_logit_softcapping", "partial_rotary_factor", "hidden_act"} <= set(refused)
+    assert {"head_dim", "sliding_window", "rope_parameters"} <= set(accepted) | set(refused)
