@@ -482,3 +482,19 @@ def test_every_field_is_equal_to_transformers_or_refused_by_name(family: str) ->
         accepted.append(field)
     assert {"attn_logit_softcapping", "partial_rotary_factor", "hidden_act"} <= set(refused)
     assert {"head_dim", "sliding_window", "rope_parameters"} <= set(accepted) | set(refused)
+
+
+def test_every_entry_of_the_model_benchmark_generates_transformers_tokens() -> None:
+    from mha.bench.model import MODEL_IMPLEMENTATIONS
+    from mha.bench.registry import build_runner
+
+    theirs = transformers_models()["float32"]
+    theirs.bench_new_tokens = 6
+    ids, _, _ = inputs()
+    expected = build_runner(MODEL_IMPLEMENTATIONS, "transformers", ids.float(), theirs, ids)()
+    assert expected.shape == (B, T + 6)
+    for name in MODEL_IMPLEMENTATIONS:
+        if name in ("transformers", "sdpa_compiled", "triton"):  # compiling: the matrix
+            continue
+        runner = build_runner(MODEL_IMPLEMENTATIONS, name, ids.float(), theirs, ids)
+        assert torch.equal(runner(), expected), name
