@@ -59,7 +59,7 @@ from torch.nn.attention.flex_attention import (
 
 from . import reference
 from ._validate import check_divisible, check_int, check_positive, check_scale
-from .decoding import KVCache
+from .caches import RollingKVCache
 
 __all__ = [
     "MaskMod",
@@ -373,7 +373,9 @@ def flex_compiles(device: torch.device | str = "cpu") -> bool:
 
 @functools.cache
 def _compiled_flex_attention() -> Callable[..., Tensor]:
-    return torch.compile(flex_attention)
+    # dynamic=False: a kernel per shape. With dynamic shapes, Inductor's CPU
+    # code for a document mask after a sliding window fails to compile.
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _unfused_flex_attention(*args, **kwargs) -> Tensor:
@@ -404,68 +406,6 @@ def tile_states(mask: BlockMask) -> NDArray[np.int8]:
             count = int(counts[0, 0, row])
             states[row, indices[0, 0, row, :count].cpu().numpy()] = code
     return states
-
-
-# ---------------------------------------------------------------------------
-# Decoding with a sliding window: a cache of `window` slots
-
-
-class RollingKVCache:
-    """Keys and values of the ``window`` newest positions, in a ring.
-
-    Position p lives in slot p % window of (B, H_kv, window, d_k) tensors
-    allocated once (Mistral 7B's rolling buffer cache, Jiang et al. 2023):
-    the memory stays ``window`` positions however long the sequence grows.
-    :meth:`update` writes the new keys and values and returns views of the
-    slots written so far, which are the keys and values the newest query
-    attends to under :func:`sliding_window` (``window``): in slot order, not
-    in time order, which attention does not need, since the positions are in
-    the keys already (RoPE) and one query has nothing to mask. The earlier
-    queries of a chunk of several new tokens see keys that the chunk
-    overwrote: attend a prompt with the sliding-window mask, then decode one
-    token at a time.
-    """
-
-    def __init__(
-        self,
-        batch: int,
-        window: int,
-        num_kv_heads: int,
-        head_dim: int,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> None:
-        window = check_int("window", window)
-        # The slots and every other check are a KVCache's, max_len = window.
-        self._slots = KVCache(
-            batch, window, num_kv_heads, head_dim, dtype=dtype, device=device
-        )
-        self.window = window
-        self.seen = 0  # positions written so far, the newest is seen - 1
-
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v (B, H_kv, T, d_k); return (B, H_kv, <= window, d_k)."""
-        slots = self._slots  # written by index: its own count stays 0
-        shape = _tokens_shape(k, v, self.window)
-        slots.check_update(*shape, k.dtype, k.device, v=v)
-        new = k.shape[2]
-        keep = min(new, self.window)  # older new tokens are out of reach
-        where = torch.arange(self.seen + new - keep, self.seen + new)
-        where = (where % self.window).to(slots.keys.device)  # (keep,) slots
-        slots.keys.index_copy_(2, where, k[:, :, new - keep :])
-        slots.values.index_copy_(2, where, v[:, :, new - keep :])
-        self.seen += new
-        filled = len(self)
-        return slots.keys[:, :, :filled], slots.values[:, :, :filled]
-
-    def __len__(self) -> int:
-        """Positions held: min(positions seen, window)."""
-        return min(self.seen, self.window)
-
-    def reset(self) -> None:
-        """Forget every position (the memory stays allocated)."""
-        self.seen = 0
 
 
 # ---------------------------------------------------------------------------
@@ -606,22 +546,3 @@ def _check_doc_ids(
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise TypeError(f"doc_ids must be ints, got dtype {ids.dtype}")
     return ids.long()
-
-
-def _tokens_shape(
-    k: Tensor, v: Tensor, window: int
-) -> tuple[int, int, int, int]:
-    """(B, H_kv, T, d_k) of k and v, T counted as at most ``window``."""
-    for name, t in (("k", k), ("v", v)):
-        if not isinstance(t, Tensor) or t.dim() != 4:
-            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(
-                f"{name} must be a (B, H_kv, T, d_k) tensor, got {got}"
-            )
-    if k.shape != v.shape:
-        raise ValueError(
-            "k and v must have the same shape (B, H_kv, T, d_k), got "
-            f"{tuple(k.shape)} and {tuple(v.shape)}"
-        )
-    batch, heads, new, head_dim = k.shape
-    return batch, heads, min(new, window), head_dim

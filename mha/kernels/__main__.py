@@ -144,7 +144,7 @@ def parser() -> argparse.ArgumentParser:
 def _environment(args: argparse.Namespace, seconds: float) -> dict:
     import triton
 
-    from ..bench.environment import environment
+    from ..environment import environment
 
     found = environment("cpu", ",".join(args.dtype))
     keep = ("torch_version", "python_version", "platform", "date_utc")
