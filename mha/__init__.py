@@ -25,6 +25,8 @@ pin it (``tests/test_rooms.py`` keeps the table true):
 * :mod:`mha.caches` - the key/value cache protocol and its caches
 * :mod:`mha.configs` - one reader of transformers' configurations
 * :mod:`mha.environment` - what measured figures depend on
+* :mod:`mha.backends` - attention backends by name, each with its masks
+* :mod:`mha.model` - a whole Llama-family model, its attention a switch
 * :mod:`mha.latent` - multi-head latent attention (MLA) and its cache
 
 The order inside a topic: the NumPy reference first, then the torch or fast
@@ -71,6 +73,9 @@ _LAZY = {
     "copy_to_ranks": "mha.parallel",
     "sum_over_ranks": "mha.parallel",
     "RollingKVCache": "mha.caches",
+    "CausalLM": "mha.model",
+    "attention_backends": "mha.backends",
+    "register_transformers_backends": "mha.backends",
     "MultiHeadLatentAttention": "mha.latent",
     "LatentKVCache": "mha.latent",
 }

@@ -40,6 +40,7 @@ from ._validate import check_int
 
 __all__ = [
     "Cache",
+    "cached_so_far",
     "KVCache",
     "ConcatKVCache",
     "PagedKVCache",
@@ -77,6 +78,16 @@ class Cache(Protocol):
     ) -> None: ...
 
 
+def cached_so_far(cache: Cache) -> int | Tensor:
+    """Positions the cache has seen, read once before a step: an int, or
+    under ``torch.compile`` a 0-dim tensor (a count the compiler would guard
+    as a constant, and compile again for every step, must stay a tensor)."""
+    length = getattr(cache, "length", None)
+    if torch.compiler.is_compiling() and isinstance(length, Tensor):
+        return length.clone()  # update() counts on in place
+    return cache.seen  # len(cache), or more where the cache forgets
+
+
 class KVCache:
     """Keys and values of the tokens so far, preallocated and written in place.
 
@@ -110,6 +121,7 @@ class KVCache:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.dtype, self.device = dtype, self.keys.device
         self.length = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._count: tuple[int, int] | None = None  # see _host_count
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v (B, H_kv, T, d_k) after the cached ones; return all.
@@ -129,7 +141,7 @@ class KVCache:
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def __len__(self) -> int:
-        return int(self.length)
+        return _host_count(self)
 
     @property
     def seen(self) -> int:
@@ -275,6 +287,7 @@ class PagedKVCache:
             (batch, self.blocks_per_row), num_blocks, device=self.device
         )  # (B, blocks per row)
         self.length = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._count: tuple[int, int] | None = None  # see _host_count
         self.reset()
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -346,7 +359,7 @@ class PagedKVCache:
         return self.num_blocks - len(self._free)
 
     def __len__(self) -> int:
-        return int(self.length)
+        return _host_count(self)
 
     @property
     def seen(self) -> int:
@@ -380,6 +393,18 @@ class PagedKVCache:
                 self.block_table[row, i] = self.null_block
 
     check_update = KVCache.check_update
+
+
+def _host_count(cache: KVCache | PagedKVCache) -> int:
+    """``int(cache.length)``, read from the device only when the tensor was
+    written since the last read: its ``_version`` counts in-place writes
+    (``+=``, ``fill_``, ``zero_``). A decoding step asks for the length
+    several times (the model's check, the layer's, the position, the
+    update's); one read from the host is enough."""
+    version = cache.length._version
+    if cache._count is None or cache._count[1] != version:
+        cache._count = (int(cache.length), version)
+    return cache._count[0]
 
 
 def _check_cache_args(

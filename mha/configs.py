@@ -42,7 +42,7 @@ EXPERT_FIELDS = frozenset(
 INERT_FIELDS = frozenset(
     "_name_or_path architectures bos_token_id chunk_size_feed_forward dtype "
     "id2label initializer_range is_encoder_decoder label2id "
-    "output_attentions output_hidden_states pad_token_id problem_type "
+    "output_attentions output_hidden_states problem_type "
     "return_dict tokenizer_class torch_dtype transformers_version use_cache "
     "max_window_layers use_sliding_window model_type".split()
 )
@@ -53,7 +53,7 @@ READ_FIELDS = frozenset(
     "num_attention_heads num_key_value_heads head_dim hidden_act "
     "rms_norm_eps rope_parameters rope_scaling rope_theta "
     "max_position_embeddings attention_bias attention_dropout mlp_bias "
-    "tie_word_embeddings sliding_window layer_types eos_token_id "
+    "tie_word_embeddings sliding_window layer_types eos_token_id pad_token_id "
     "pretraining_tp".split()
 )
 
@@ -104,6 +104,7 @@ class ModelConfig:
     sliding_window: int | None = None
     windows: tuple[int | None, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
     sinks: bool = False
 
     def require(self, *names: str) -> None:
@@ -158,6 +159,7 @@ def read_config(config: object, *, layer: bool = False) -> ModelConfig:
         sliding_window=window,
         windows=_windows(fields, model_type, layers, window),
         eos_token_ids=_eos(fields.get("eos_token_id")),
+        pad_token_id=_optional_int(fields, "pad_token_id", minimum=0),
         sinks=model_type == "gpt_oss",
     )
 
@@ -195,6 +197,19 @@ def _refuse_unknown(fields: dict, model_type: str, layer: bool) -> None:
         elif name == "sliding_window" and model_type == "llama":
             if value is not None:  # Llama has no window: transformers
                 refused.append(f"{name} = {value!r} (a Llama has none)")
+        elif (
+            name in ("mlp_bias", "attention_bias")
+            and value
+            and (
+                model_type != "llama"
+                and (name, model_type)
+                not in (
+                    ("attention_bias", "qwen3"),
+                    ("attention_bias", "gpt_oss"),
+                )
+            )
+        ):  # transformers' layers of this family hold no such biases
+            refused.append(f"{name} = {value!r} (not in {model_type})")
         elif name == "hidden_act" and value != "silu":
             refused.append(f"{name} = {value!r} (SwiGLU: 'silu')")
         elif name not in INERT_FIELDS | READ_FIELDS and value not in (
@@ -261,7 +276,8 @@ def _windows(
     }:
         raise ValueError(
             f"layer_types must give 'full_attention' or 'sliding_attention' "
-            f"for each of the {layers} layers, got {types!r}"
+            f"for each of the num_hidden_layers = {layers} layers, got "
+            f"{types!r}"
         )
     if model_type == "mistral":  # transformers' Mistral reads no layer_types
         return tuple(window for _ in range(layers))
@@ -275,6 +291,6 @@ def _eos(value: object) -> tuple[int, ...]:
     return tuple(check_int("eos_token_id", v, minimum=0) for v in values)
 
 
-def _optional_int(fields: dict, name: str) -> int | None:
+def _optional_int(fields: dict, name: str, minimum: int = 1) -> int | None:
     value = fields.get(name)
-    return None if value is None else check_int(name, value)
+    return None if value is None else check_int(name, value, minimum=minimum)

@@ -42,7 +42,14 @@ from ._validate import (
     check_positions,
     check_probability,
 )
-from .caches import Cache, ConcatKVCache, KVCache, PagedKVCache
+from .backends import grouped_attention
+from .caches import (
+    Cache,
+    ConcatKVCache,
+    KVCache,
+    PagedKVCache,
+    cached_so_far,
+)
 from .configs import read_config
 from .functional import (
     causal_mask,
@@ -66,35 +73,6 @@ __all__ = [
     "train_decoder",
     "evaluate_decoder",
 ]
-
-
-def grouped_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    keep: Tensor | None = None,
-    *,
-    dropout_p: float = 0.0,
-) -> Tensor:
-    """softmax(q k^T / sqrt(d_k)) v, each key/value head serving G query heads.
-
-    q (B, H, T_q, d_k); k, v (B, H_kv, T_k, d_k); ``keep`` a boolean mask
-    broadcastable to (B, H, T_q, T_k), ``True`` where a query may attend.
-    Query head ``h`` reads key/value head ``h // G`` (``transformers``'
-    ``repeat_kv`` order), without copying the keys and values G times.
-    A query with no key to attend gets zeros. Returns (B, H, T_q, d_k).
-    """
-    H_kv, G = k.shape[1], q.shape[1] // k.shape[1]
-    q = q.unflatten(1, (H_kv, G))  # (B, H_kv, G, T_q, d_k)
-    scores = torch.einsum("bkgqd,bksd->bkgqs", q, k) / math.sqrt(q.shape[-1])
-    if keep is not None:  # scores: (B, H_kv, G, T_q, T_k)
-        scores = scores.masked_fill(~_grouped(keep, H_kv, G), -math.inf)
-    weights = torch.softmax(scores, dim=-1)  # (B, H_kv, G, T_q, T_k)
-    if keep is not None:  # a row without keys is 0/0: make it zeros
-        weights = weights.nan_to_num(0.0)
-    weights = F.dropout(weights, p=dropout_p)
-    heads = torch.einsum("bkgqs,bksd->bkgqd", weights, v)
-    return heads.flatten(1, 2)  # (B, H, T_q, d_k)
 
 
 class GroupedQueryAttention(nn.Module):
@@ -295,6 +273,16 @@ class GroupedQueryAttention(nn.Module):
                 f"x must have shape (B, T, D) with D = {self.embed_dim}, "
                 f"got shape {tuple(x.shape)}"
             )
+        weight = self.q_proj.weight
+        if x.dtype != weight.dtype:  # else torch's "mat1 and mat2" error
+            raise TypeError(
+                f"x must have the layer's dtype {weight.dtype}, got {x.dtype}"
+            )
+        if x.device != weight.device:
+            raise ValueError(
+                f"x must be on the layer's device {weight.device}, got "
+                f"{x.device}"
+            )
         B, T, _ = x.shape
         if cache is not None:
             cache.check_update(
@@ -365,14 +353,7 @@ def _window_and_sinks(
     return torch.cat((bias, sink.expand(bias.shape[0], -1, t_q, 1)), -1)
 
 
-def _cached_so_far(cache: Cache) -> int | Tensor:
-    """How many positions the cache held before this step: an int, or under
-    ``torch.compile`` a 0-dim tensor (a count the compiler would guard as a
-    constant, and compile again for every step, must stay in a tensor)."""
-    length = getattr(cache, "length", None)
-    if torch.compiler.is_compiling() and isinstance(length, Tensor):
-        return length.clone()  # update() counts on in place
-    return cache.seen  # len(cache), or more where the cache forgets
+_cached_so_far = cached_so_far  # the count before a step (mha.caches)
 
 
 def _mask(
@@ -407,14 +388,6 @@ def _mask(
     else:
         keep = (slots < start + t_q)[None, :].expand(t_q, t_k)
     return (keep if attn_mask is None else attn_mask & keep), False
-
-
-def _grouped(keep: Tensor, num_kv_heads: int, group: int) -> Tensor:
-    """A mask broadcastable to (B, H, T_q, T_k) -> (B or 1, H_kv, G, ...)."""
-    keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
-    if keep.shape[1] == 1:  # the same for every head
-        return keep.unsqueeze(2)  # (B or 1, 1, 1, T_q or 1, T_k)
-    return keep.unflatten(1, (num_kv_heads, group))  # (., H_kv, G, ., T_k)
 
 
 def _check_layer_positions(
