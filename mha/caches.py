@@ -400,7 +400,10 @@ def _host_count(cache: KVCache | PagedKVCache) -> int:
     written since the last read: its ``_version`` counts in-place writes
     (``+=``, ``fill_``, ``zero_``). A decoding step asks for the length
     several times (the model's check, the layer's, the position, the
-    update's); one read from the host is enough."""
+    update's); one read from the host is enough. A count kept in a Python
+    int (a subclass's) is returned as it is."""
+    if not isinstance(cache.length, Tensor):
+        return int(cache.length)
     version = cache.length._version
     if cache._count is None or cache._count[1] != version:
         cache._count = (int(cache.length), version)
