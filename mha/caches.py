@@ -400,14 +400,14 @@ def _host_count(cache: KVCache | PagedKVCache) -> int:
     written since the last read: its ``_version`` counts in-place writes
     (``+=``, ``fill_``, ``zero_``). A decoding step asks for the length
     several times (the model's check, the layer's, the position, the
-    update's); one read from the host is enough. A count kept in a Python
-    int (a subclass's) is returned as it is."""
-    if not isinstance(cache.length, Tensor):
-        return int(cache.length)
-    version = cache.length._version
-    if cache._count is None or cache._count[1] != version:
-        cache._count = (int(cache.length), version)
-    return cache._count[0]
+    update's); one read from the host is enough."""
+    length = cache.length
+    if not isinstance(length, Tensor) or torch.compiler.is_compiling():
+        return int(length)  # a count kept in Python; or traced
+    count = getattr(cache, "_count", None)
+    if count is None or count[1] != length._version:
+        count = cache._count = (int(length), length._version)
+    return count[0]
 
 
 def _check_cache_args(

@@ -107,3 +107,14 @@ def test_a_decoding_step_reads_the_cache_length_from_the_device_once(kind, monke
     with torch.no_grad():
         layer(x[:, 4:5], cache=cache)
     assert sum(reads) == 1 and len(cache) == 5
+
+
+def test_a_subclass_may_count_in_python() -> None:
+    """Chapter 12's cache that keeps its length as a Python int still has a len()."""
+
+    class CountedInPython(KVCache):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.length = 3
+
+    assert len(CountedInPython(B, T, H_KV, D_K)) == 3
