@@ -27,6 +27,7 @@ pin it (``tests/test_rooms.py`` keeps the table true):
 * :mod:`mha.environment` - what measured figures depend on
 * :mod:`mha.backends` - attention backends by name, each with its masks
 * :mod:`mha.model` - a whole Llama-family model, its attention a switch
+* :mod:`mha.serving` - many requests: a paged pool, a scheduler, an engine
 
 The order inside a topic: the NumPy reference first, then the torch or fast
 version, tests that pin one to the other, a benchmark entry, the chapter.
@@ -74,6 +75,7 @@ _LAZY = {
     "RollingKVCache": "mha.caches",
     "CausalLM": "mha.model",
     "attention_backends": "mha.backends",
+    "Engine": "mha.serving",
 }
 
 __all__ = [*reference.__all__, *_LAZY]
