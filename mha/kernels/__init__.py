@@ -3,8 +3,10 @@
 :func:`triton_attention` is the tiled attention of :mod:`mha.flash` as one
 Triton kernel (and two more for its backward pass);
 :func:`triton_split_kv_attention` splits the keys of a decoding step across
-programs. Causal attention is aligned bottom-right; keys and values may have
-fewer heads than the queries (GQA, MQA); any head size up to 256. The kernels
+programs; :func:`triton_paged_attention` reads keys and values through a
+serving engine's block table, where they are. Causal attention is aligned
+bottom-right; keys and values may have fewer heads than the queries (GQA,
+MQA); any head size up to 256. The kernels
 are compiled ahead of time for sm_80 (A100) and sm_90 (H100) and inspected by
 ``python -m mha.kernels --inspect`` (:mod:`mha.kernels.aot`); the project's
 own checks run them in the interpreter, never on a GPU. Importing this
@@ -44,6 +46,8 @@ __all__ = [
     "INTERPRETED",
     "triton_attention",
     "triton_split_kv_attention",
+    "triton_paged_attention",
+    "paged_attention_torch",
 ]
 
 #: The largest head size d_k the kernels take.
@@ -154,6 +158,50 @@ def triton_split_kv_attention(
         key_start=key_start,
     )  # fmt: skip
     return out
+
+
+def triton_paged_attention(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float | None = None,
+) -> Tensor:
+    """Attention over keys and values held in the blocks of a pool.
+
+    q (B, H, T_q, d): the last T_q positions of each sequence; k_pool,
+    v_pool (num_blocks, block_size, H_kv, d); block_table (B, max_blocks)
+    int32; seq_lens (B,) int32, counting the T_q queries (causal, aligned
+    bottom-right to each sequence's length). The blocks are read where they
+    are (no gather), GQA by packing a group's query heads into one tile,
+    a decoding step split over the blocks. Forward only. See
+    :mod:`mha.kernels.paged`; :func:`paged_attention_torch` is its twin.
+
+    Raises:
+        ModuleNotFoundError: Triton cannot be imported here.
+    """
+    _require_triton("triton_paged_attention")
+    from .paged import triton_paged_attention as run
+
+    return run(q, k_pool, v_pool, block_table, seq_lens, scale=scale)
+
+
+def paged_attention_torch(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float | None = None,
+) -> Tensor:
+    """:func:`triton_paged_attention` in plain torch (it gathers the
+    blocks): no Triton needed. See :mod:`mha.kernels.paged_torch`."""
+    from .paged_torch import paged_attention_torch as run
+
+    return run(q, k_pool, v_pool, block_table, seq_lens, scale=scale)
 
 
 def _require_triton(name: str) -> None:

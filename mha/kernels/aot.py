@@ -92,6 +92,8 @@ def example_launches(
     def tensor(h, length, d=head_dim, kind=dtype):
         return torch.empty((batch, h, length, d), dtype=kind, device="meta")
 
+    if kernel == "paged":
+        return [_paged_launch(dtype, head_dim, major)]
     t_q = 1 if kernel == "split_kv" else t
     q, k, v = tensor(heads, t_q), tensor(kv_heads, t), tensor(kv_heads, t)
     lse = torch.empty((batch, heads, t_q), device="meta")
@@ -121,6 +123,38 @@ def example_launches(
         q, k, v, q, lse, lse, q, k, v, tiles=both, **common
     )
     return [launches[names.index(kernel)]]
+
+
+def _paged_launch(dtype: torch.dtype, head_dim: int, major: tuple[int, int]):
+    """A decoding step of the paged kernel: the example's sequences held in
+    blocks of 16 positions of one pool."""
+    from .paged import paged_launch
+
+    batch, heads, kv_heads, t = EXAMPLE.values()
+    block_size = 16
+    blocks = batch * t // block_size
+    q = torch.empty((batch, heads, 1, head_dim), dtype=dtype, device="meta")
+    pool = torch.empty(
+        (blocks, block_size, kv_heads, head_dim), dtype=dtype, device="meta"
+    )
+    table = torch.empty(
+        (batch, t // block_size), dtype=torch.int32, device="meta"
+    )
+    lens = torch.empty((batch,), dtype=torch.int32, device="meta")
+    tiles = kernels.default_tiles("paged", head_dim, dtype, major)
+    rows = heads // kv_heads  # a group's query heads, one query each
+    programs = batch * kv_heads * -(-rows // tiles.block_q)
+    splits = kernels.default_num_splits(
+        programs, t, tiles.block_k, kernels.H100_MULTIPROCESSORS
+    )
+    keys, splits = kernels.split_sizes(t, splits, tiles.block_k)
+    partial = torch.empty(
+        (batch, kv_heads, splits, rows, head_dim), device="meta"
+    )
+    return paged_launch(
+        q, pool, pool, table, lens, partial, partial[..., 0],
+        scale=head_dim**-0.5, tiles=tiles, keys_per_split=keys,
+    )  # fmt: skip
 
 
 def compile_launch(launch, capability: int):
@@ -236,7 +270,9 @@ def inspect_builds(
         for dtype in dtypes:
             for head_dim in head_dims:
                 for name in kernel_names:
-                    for masked in causal:
+                    # the paged kernel is causal by its lengths: no flag
+                    masks = (True,) if name == "paged" else causal
+                    for masked in masks:
                         yield _inspect_one(
                             name, arch, dtype, head_dim, masked, cubin_dir
                         )
