@@ -14,10 +14,12 @@ import functools
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from mha import CausalLM, Engine
 from mha.serving import BlockAllocator, Sequence
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers import LlamaConfig, MistralConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -26,7 +28,7 @@ VOCAB = 61
 
 
 @functools.cache
-def tiny_model(eos: int | None = None) -> CausalLM:
+def tiny_model(eos: int | None = None, dtype: torch.dtype = torch.float64) -> CausalLM:
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -38,7 +40,7 @@ def tiny_model(eos: int | None = None) -> CausalLM:
         eos_token_id=eos,
     )
     torch.manual_seed(0)
-    model = CausalLM.from_config(config, dtype=torch.float64).eval()
+    model = CausalLM.from_config(config, dtype=dtype).eval()
     with torch.no_grad():  # attention that matters: most greedy choices depend on the context
         for layer in model.model.layers:
             attn = layer.self_attn
@@ -65,24 +67,24 @@ tokens = st.integers(3, VOCAB - 1)
 @st.composite
 def workloads(draw):
     """Prompts (some sharing a prefix), their arrival steps, the engine's settings."""
-    shared = draw(st.lists(tokens, min_size=0, max_size=12))
-    n = draw(st.integers(1, 5))
+    shared = draw(st.lists(tokens, min_size=4, max_size=12))
+    n = draw(st.integers(2, 5))
     prompts = []
     for _ in range(n):
         keep = draw(st.integers(0, len(shared)))
         tail = draw(st.lists(tokens, min_size=0 if keep else 1, max_size=10))
         prompts.append(tuple(shared[:keep] + tail))
-    new = [draw(st.integers(1, 6)) for _ in prompts]
+    new = [draw(st.integers(1, 8)) for _ in prompts]
     arrivals = [draw(st.integers(0, 6)) for _ in prompts]
     block_size = draw(st.sampled_from([2, 4]))
     need = max(-(-(len(p) + m - 1) // block_size) for p, m in zip(prompts, new))
-    num_blocks = draw(st.integers(need, need + 12))  # from one request alone to room for all
+    num_blocks = draw(st.integers(need, need + 4))  # one request alone fits: pressure
     budget = draw(st.integers(1, 40))
     caching = draw(st.booleans())
     return prompts, new, arrivals, block_size, num_blocks, budget, caching
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_every_request_equals_its_prompt_generated_alone(workload) -> None:
     prompts, new, arrivals, block_size, num_blocks, budget, caching = workload
@@ -99,6 +101,8 @@ def test_every_request_equals_its_prompt_generated_alone(workload) -> None:
     for i, prompt in enumerate(prompts):
         assert got[ids[i]] == alone(prompt, new[i]), (i, prompt)
     assert engine.stats.peak_blocks_in_use <= num_blocks
+    event(f"preempted: {engine.stats.preemptions > 0}")
+    event(f"prefix reused: {engine.stats.prefix_tokens_reused > 0}")
     assert engine.allocator.in_use == 0  # every block given back
 
 
@@ -248,3 +252,66 @@ def test_bad_engines_are_refused_by_name() -> None:
                              num_key_value_heads=2, sliding_window=4)  # fmt: skip
     with pytest.raises(ValueError, match="sliding window"):
         Engine(CausalLM.from_config(windowed), num_blocks=8)
+
+
+class CopiesOutOf(TorchDispatchMode):
+    """Bytes of every new tensor that a torch operation makes from the pools' memory (a
+    gather, an index, a copy); a view of the pools or a write into them is no copy."""
+
+    def __init__(self, pools: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.storages = {pool.untyped_storage().data_ptr() for pool in pools}
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if any(t.untyped_storage().data_ptr() in self.storages for t in tensors):
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    if t.untyped_storage().data_ptr() not in self.storages:
+                        self.bytes += t.nbytes
+        return out
+
+
+def test_a_decode_step_copies_nothing_out_of_the_pool() -> None:
+    # Two requests (20 and 7 prompt tokens) after a prefill step and a decode step: the third
+    # step decodes their 22nd and 9th tokens. float32, 2 layers, H_kv = 2, d_k = 8.
+    model = tiny_model(eos=None, dtype=torch.float32)
+    copied = {}
+    for backend in ("triton", "sdpa"):
+        model.set_attention_backend(backend)
+        engine = Engine(model, num_blocks=16, block_size=4)
+        engine.add_request(list(range(3, 23)), 4)
+        engine.add_request(list(range(30, 37)), 5)
+        engine.step(), engine.step()
+        pools = [t for layer in engine.layers for t in (layer.k_pool, layer.v_pool)]
+        with CopiesOutOf(pools) as counter:
+            engine.step()
+        assert engine.layers[0].plan.decodes == 2
+        copied[backend] = counter.bytes
+    model.set_attention_backend("sdpa")
+    assert copied["triton"] == 0  # the kernel reads the blocks where they lie
+    # the torch twin gathers both rows to the longest length, 22 positions: k and v of 2 layers
+    assert copied["sdpa"] == 2 * 2 * (2 * 22 * 2 * 8 * 4)
+    # chapter 12's PagedKVCache gathers too: one row, 21 positions in two blocks of 16
+    caches = model.new_caches(1, 32, kind="paged")
+    model(torch.tensor([list(range(3, 23))]), caches=caches)
+    pools = [t for cache in caches for t in (cache.key_blocks, cache.value_blocks)]
+    with CopiesOutOf(pools) as counter:
+        model(torch.tensor([[5]]), caches=caches)
+    assert counter.bytes == 2 * 2 * (1 * 2 * 32 * 8 * 4)
+
+
+def test_the_triton_paged_kernel_serves_the_engine() -> None:
+    model = tiny_model(eos=None, dtype=torch.float32)
+    prompts = [list(range(3, 23)), list(range(30, 37))]
+    want = [model.generate(torch.tensor([p]), 4)[0, len(p) :].tolist() for p in prompts]
+    model.set_attention_backend("triton")
+    try:
+        engine = Engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=6)
+        ids = [engine.add_request(p, 4) for p in prompts]
+        got = engine.run()
+    finally:
+        model.set_attention_backend("sdpa")
+    assert [got[i] for i in ids] == want

@@ -126,23 +126,6 @@ class PagedLayer:
         return torch.cat(parts, dim=2)  # (1, H, N, d_k)
 
 
-def gather_attention(q, k_pool, v_pool, block_table, seq_lens):
-    """Paged attention by gathering each request's blocks (a stand-in):
-    q (B, H, T_q, d_k) the newest T_q positions -> (B, H, T_q, d_k)."""
-    B, H, t_q, d = q.shape
-    block_size, kv_heads = k_pool.shape[1:3]
-    length = int(seq_lens.max())
-    pos = torch.arange(length, device=q.device)  # (L,)
-    blocks = block_table[:, pos // block_size].long()  # (B, L)
-    k = k_pool[blocks, pos % block_size].transpose(1, 2)  # (B, H_kv, L, d)
-    v = v_pool[blocks, pos % block_size].transpose(1, 2)
-    own = seq_lens.long()[:, None, None] - t_q + torch.arange(t_q)[:, None]
-    keep = (pos <= own)[:, None]  # (B, 1, T_q, L)
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=keep, enable_gqa=H != kv_heads
-    )
-
-
 def _decoding(seq) -> bool:
     """Whether ``seq`` computes its newest generated token alone."""
     return seq.to_compute == 1 and len(seq) > len(seq.prompt)

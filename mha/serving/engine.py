@@ -156,9 +156,4 @@ def _paged_attention(backend: str):
 
     if backend == "triton":
         return kernels.triton_paged_attention
-    try:
-        return kernels.paged_attention_torch
-    except AttributeError:  # until mha.kernels has its paged kernels
-        from .batch import gather_attention
-
-        return gather_attention
+    return kernels.paged_attention_torch
