@@ -75,6 +75,7 @@ _LAZY = {
     "RollingKVCache": "mha.caches",
     "CausalLM": "mha.model",
     "attention_backends": "mha.backends",
+    "register_transformers_backends": "mha.backends",
     "Engine": "mha.serving",
 }
 

@@ -47,6 +47,7 @@ __all__ = [
     "get_backend",
     "attend",
     "check_qkv",
+    "register_transformers_backends",
 ]
 
 MASK_KINDS = ("causal", "window", "padding", "dense", "offset")
@@ -243,10 +244,13 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     """The tiled online softmax in torch (chapter 13)."""
     from .flash import flash_attention_torch
 
-    def run(q, k, v, causal):
-        return flash_attention_torch(q, k, v, causal=causal)[0]
+    def run(q, k, v, causal, key_start):
+        out, _ = flash_attention_torch(
+            q, k, v, causal=causal, key_start=key_start
+        )
+        return out
 
-    return _by_rows(run, q, k, v, masking)
+    return _sliced(run, q, k, v, masking)
 
 
 @register(
@@ -256,22 +260,31 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
 )
 def triton(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     """The Triton kernels (chapter 13): the tiled forward, the split-KV
-    kernel for a single query; Triton's interpreter on CPU tensors."""
+    kernel for a single query; Triton's interpreter on CPU tensors (there
+    with two splits: the interpreter runs one program after the other, and
+    two already merge partial results)."""
     from . import kernels
 
-    def run(q, k, v, causal):
-        if q.shape[2] == 1:
-            return kernels.triton_split_kv_attention(q, k, v, causal=causal)
-        return kernels.triton_attention(q, k, v, causal=causal)
+    def run(q, k, v, causal, key_start):
+        if q.shape[2] == 1:  # a decoding step: the keys split across programs
+            return kernels.triton_split_kv_attention(
+                q, k, v, causal=causal, key_start=key_start,
+                num_splits=2 if kernels.INTERPRETED else None,
+            )  # fmt: skip
+        return kernels.triton_attention(
+            q, k, v, causal=causal, key_start=key_start
+        )
 
-    return _by_rows(run, q, k, v, masking)
+    return _sliced(run, q, k, v, masking)
 
 
-def _by_rows(run, q: Tensor, k: Tensor, v: Tensor, masking: Masking):
-    """A kernel that takes bottom-right causal attention only, under the
-    masks it can be given by slicing the keys: left padding (each row from
-    its first real key) and a window (each query its ``window`` newest
-    keys, one query at a time). ``run(q, k, v, causal) -> out``."""
+def _sliced(run, q: Tensor, k: Tensor, v: Tensor, masking: Masking):
+    """A kernel that takes bottom-right causal attention and a key start per
+    row (left padding) only, under a window too: each query then attends to
+    its ``window`` newest keys, one query at a time (a decoding step is one
+    query). ``run(q, k, v, causal, key_start) -> out``."""
+    from .functional import key_start_from_attention_mask
+
     t_q, t_k = q.shape[2], k.shape[2]
     kinds = masking.kinds(t_q, t_k)
     offset = masking.offset(t_q, t_k)
@@ -280,51 +293,42 @@ def _by_rows(run, q: Tensor, k: Tensor, v: Tensor, masking: Masking):
             "q_offset must be T_k - T_q (the queries are the newest) for a "
             f"tiled kernel, got {offset} with T_q, T_k = {t_q}, {t_k}"
         )
-    if masking.padding is None and "window" not in kinds:
-        return run(q, k, v, "causal" in kinds)
-    starts = [0] * q.shape[0]
-    if masking.padding is not None:
-        starts = _left_pad_starts(masking.padding[:, :t_k]).tolist()
-    if "window" not in kinds:  # each row from its first real key
-        return torch.cat([
-            _run_keys(run, q[b : b + 1], k[b : b + 1], v[b : b + 1],
-                      start, t_k, "causal" in kinds)
-            for b, start in enumerate(starts)
-        ])  # fmt: skip
-    rows = []  # each query its window's keys: a single newest query
-    for b, start in enumerate(starts):
-        queries = []
-        for i in range(t_q):
-            end = offset + i + 1  # past the query's own key
-            first = max(start, end - masking.window)
-            queries.append(_run_keys(
-                run, q[b : b + 1, :, i : i + 1], k[b : b + 1],
-                v[b : b + 1], first, end, False,
-            ))  # fmt: skip
-        rows.append(torch.cat(queries, dim=2))
-    return torch.cat(rows)
+    key_start = None
+    if masking.padding is not None:  # (B,) int32: each row's first key
+        padding = masking.padding[:, :t_k]
+        key_start = key_start_from_attention_mask(padding).to(q.device)
+    if "window" not in kinds:
+        return run(q, k, v, "causal" in kinds, key_start)
+    heads = []  # each query attends alone to its window of newest keys
+    chunk = max(1, 2**22 // (masking.window * k.shape[1] * k.shape[3]))
+    for first in range(0, t_q, chunk):
+        rows = range(first, min(first + chunk, t_q))
+        heads.append(_windows(run, q, k, v, masking.window, offset, rows,
+                              key_start))  # fmt: skip
+    return torch.cat(heads, dim=2)
 
 
-def _run_keys(run, q, k, v, first: int, end: int, causal: bool) -> Tensor:
-    """``run`` over keys first .. end - 1; zeros where there are none."""
-    if first >= end:
-        return torch.zeros_like(q)
-    return run(q, k[:, :, first:end], v[:, :, first:end], causal)
-
-
-def _left_pad_starts(padding: Tensor) -> Tensor:
-    """(B, T_k) key-padding mask -> (B,) index of each row's first real key;
-    ValueError unless every row is pads then real keys (left padding)."""
-    real = padding.to(torch.int64)
-    starts = real.shape[1] - real.sum(dim=1)  # (B,) pads
-    index = torch.arange(real.shape[1], device=padding.device)
-    if not torch.equal(index[None, :] >= starts[:, None], padding.bool()):
-        raise ValueError(
-            "a tiled kernel takes left padding only (each row's pads "
-            "before its real keys), got an attention_mask with pads "
-            "after real keys"
-        )
-    return starts
+def _windows(run, q, k, v, window: int, offset: int, rows: range, key_start):
+    """Queries ``rows`` as rows of their own, each with its ``window``
+    keys (gathered: a single newest query, no causal mask), in one call.
+    ``key_start`` (B,) or None: the pads before each row's first key."""
+    B, H, _, d_k = q.shape
+    ends = offset + torch.arange(rows.start, rows.stop) + 1  # (n,) past own
+    index = ends[:, None] - window + torch.arange(window)  # (n, W) keys
+    keys = index.clamp(min=0).to(k.device)
+    k_rows = k[:, :, keys].transpose(1, 2).flatten(0, 1)  # (B n, H_kv, W, d)
+    v_rows = v[:, :, keys].transpose(1, 2).flatten(0, 1)
+    q_rows = q[:, :, rows.start : rows.stop].transpose(1, 2)  # (B, n, H, d)
+    q_rows = q_rows.flatten(0, 1)[:, :, None]  # (B n, H, 1, d_k)
+    real = (
+        torch.zeros(B, dtype=torch.int64)
+        if key_start is None
+        else (key_start.cpu().to(torch.int64))
+    )  # first real key of each row
+    starts = (real[:, None] - index[None, :, 0]).clamp(min=0)  # (B, n)
+    starts = starts.flatten().to(torch.int32).to(q.device)
+    out = run(q_rows, k_rows, v_rows, False, starts)  # (B n, H, 1, d_k)
+    return out[:, :, 0].unflatten(0, (B, len(rows))).transpose(1, 2)
 
 
 @register("flex", masks=MASK_KINDS[:4], summary="FlexAttention, mask_mods")
@@ -374,3 +378,86 @@ def flex(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     return variants.flex(
         q, k, v, block_mask=mask, q_offset=0, compiled=q.is_cuda
     )
+
+
+# ---------------------------------------------------------------------------
+# The backends in transformers' models
+
+
+#: transformers' names of the backends it may run (no "flash" in a name:
+#: transformers reads such a name as a kernel to fetch from its hub).
+TRANSFORMERS_NAMES = {"mha_tiled": "tiled", "mha_triton": "triton",
+                      "mha_flex": "flex"}  # fmt: skip
+
+
+def register_transformers_backends() -> tuple[str, ...]:
+    """Register ``mha_tiled``, ``mha_triton`` and ``mha_flex`` in
+    transformers' ``AttentionInterface``, each with its mask function in
+    ``AttentionMaskInterface``, so that ``AutoModelForCausalLM
+    .from_config(config, attn_implementation="mha_triton")`` runs our
+    kernels. The mask function hands the attention function the key-padding
+    mask (B, T_k), as flash-attention's does; the attention function adds
+    the layer's causal flag and sliding window (:class:`Masking`), so no
+    mask is dropped. Returns the names."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    for hf_name, name in TRANSFORMERS_NAMES.items():
+        AttentionInterface.register(hf_name, _transformers_attention(name))
+        AttentionMaskInterface.register(hf_name, _key_padding_mask)
+    return tuple(TRANSFORMERS_NAMES)
+
+
+def _transformers_attention(name: str):
+    """transformers' attention signature around backend ``name``."""
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0,
+                  scaling=None, sliding_window=None, is_causal=None,
+                  **kwargs):  # fmt: skip
+        d_k = query.shape[-1]
+        refused = {
+            "dropout": dropout if module.training and dropout else None,
+            "scaling": None if scaling in (None, d_k**-0.5) else scaling,
+            "softcap": kwargs.get("softcap"),
+            "s_aux": kwargs.get("s_aux"),  # learned sinks
+        }
+        refused = {k: v for k, v in refused.items() if v is not None}
+        if refused:
+            raise ValueError(
+                f"the {name!r} backend does not implement {refused}"
+            )
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(
+                f"the {name!r} backend takes its own mask function's (B, "
+                f"T_k) key-padding mask, got shape "
+                f"{tuple(attention_mask.shape)}"
+            )
+        if attention_mask is not None and (
+            attention_mask.shape[1] != key.shape[2]
+        ):
+            raise ValueError(
+                f"attention_mask covers {attention_mask.shape[1]} keys, the "
+                f"cache returned {key.shape[2]} (a static cache's unwritten "
+                f"slots are not served by {name!r}: use a DynamicCache)"
+            )
+        causal = getattr(module, "is_causal", True)
+        masking = Masking(
+            causal=causal if is_causal is None else bool(is_causal),
+            window=sliding_window,
+            padding=attention_mask,
+        )
+        out = attend(name, query, key, value, masking)  # (B, H, T, d_k)
+        return out.transpose(1, 2).contiguous(), None  # (B, T, H, d_k)
+
+    return attention
+
+
+def _key_padding_mask(batch_size, q_length, kv_length, q_offset=0,
+                      kv_offset=0, mask_function=None, attention_mask=None,
+                      **kwargs):  # fmt: skip
+    """transformers' mask function: the (B, kv_length) key-padding mask of
+    the newest keys, bool, or None where no key is a pad."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, -kv_length:].to(torch.bool)
+    return None if bool(mask.all()) else mask

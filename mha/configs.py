@@ -172,6 +172,15 @@ def _refuse_unknown(fields: dict, model_type: str) -> None:
         elif name == "sliding_window" and model_type == "llama":
             if value is not None:  # Llama has no window: transformers
                 refused.append(f"{name} = {value!r} (a Llama has none)")
+        elif (
+            name in ("mlp_bias", "attention_bias")
+            and value
+            and (
+                model_type != "llama"
+                and (name, model_type) != ("attention_bias", "qwen3")
+            )
+        ):  # transformers' layers of this family hold no such biases
+            refused.append(f"{name} = {value!r} (not in {model_type})")
         elif name == "hidden_act" and value != "silu":
             refused.append(f"{name} = {value!r} (SwiGLU: 'silu')")
         elif name not in INERT_FIELDS | READ_FIELDS and value not in (
@@ -238,7 +247,8 @@ def _windows(
     }:
         raise ValueError(
             f"layer_types must give 'full_attention' or 'sliding_attention' "
-            f"for each of the {layers} layers, got {types!r}"
+            f"for each of the num_hidden_layers = {layers} layers, got "
+            f"{types!r}"
         )
     if model_type == "mistral":  # transformers' Mistral reads no layer_types
         return tuple(window for _ in range(layers))

@@ -278,6 +278,16 @@ class GroupedQueryAttention(nn.Module):
                 f"x must have shape (B, T, D) with D = {self.embed_dim}, "
                 f"got shape {tuple(x.shape)}"
             )
+        weight = self.q_proj.weight
+        if x.dtype != weight.dtype:  # else torch's "mat1 and mat2" error
+            raise TypeError(
+                f"x must have the layer's dtype {weight.dtype}, got {x.dtype}"
+            )
+        if x.device != weight.device:
+            raise ValueError(
+                f"x must be on the layer's device {weight.device}, got "
+                f"{x.device}"
+            )
         B, T, _ = x.shape
         if cache is not None:
             cache.check_update(

@@ -339,7 +339,9 @@ def flex(
 
 @functools.cache
 def _compiled_flex_attention() -> Callable[..., Tensor]:
-    return torch.compile(flex_attention)
+    # dynamic=False: a kernel per shape. With dynamic shapes, Inductor's CPU
+    # code for a document mask after a sliding window fails to compile.
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _unfused_flex_attention(*args, **kwargs) -> Tensor:

@@ -15,6 +15,7 @@ step) and grouped heads (4 query heads, 2 key/value heads).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -293,7 +294,7 @@ def test_every_family_equals_transformers(config_class, model_class, extra) -> N
 def test_a_backend_refuses_a_mask_it_does_not_take_by_name() -> None:
     q = torch.zeros(1, 2, 3, 8)
     padding = torch.tensor([[True, False, True]])  # a hole: not left padding
-    with pytest.raises(ValueError, match="takes left padding only"):
+    with pytest.raises(ValueError, match="attention_mask must be left-padded"):
         attend("tiled", q, q, q, Masking(padding=padding))
     with pytest.raises(ValueError, match=r"'tiled' attention backend takes no \['dense'\] mask"):
         attend("tiled", q, q, q, Masking(dense=torch.ones(3, 3, dtype=torch.bool)))
@@ -318,3 +319,182 @@ def test_model_input_errors_name_the_argument() -> None:
         model.generate(ids, 2, attention_mask=mask.flip(1))
     with pytest.raises(ValueError, match="top_p must lie in"):
         model.generate(ids, 2, do_sample=True, top_p=0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Our backends inside transformers' own model
+
+
+@pytest.mark.parametrize("name", ["mha_tiled", "mha_triton", "mha_flex"])
+def test_transformers_model_on_our_backends_equals_its_eager_model(name: str) -> None:
+    from mha import register_transformers_backends
+    from transformers import AutoModelForCausalLM
+
+    assert name in register_transformers_backends()
+    eager = transformers_models()["float32"]  # Mistral's family, window 6 < T
+    theirs = AutoModelForCausalLM.from_config(eager.config, attn_implementation=name).eval()
+    theirs.load_state_dict(eager.state_dict())
+    assert theirs.config._attn_implementation == name
+    ids, mask, positions = inputs()
+    keep = mask.bool()
+    with torch.no_grad():
+        expected = eager(ids, attention_mask=mask, position_ids=positions).logits[keep]
+        actual = theirs(ids, attention_mask=mask, position_ids=positions).logits[keep]
+        tokens = [
+            model.generate(
+                ids[:, :6], attention_mask=mask[:, :6], max_new_tokens=6, do_sample=False
+            )
+            for model in (eager, theirs)
+        ]
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-4)
+    assert torch.equal(*tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: transformers' warpers, in its order, then one seeded draw
+
+
+def test_sampling_keeps_the_tokens_transformers_warpers_keep() -> None:
+    from mha.model import sample
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    scores = torch.randn(3, 128, generator=torch.Generator().manual_seed(5))
+    warpers = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.8)]
+    warped = scores.clone()
+    for warper in warpers:
+        warped = warper(None, warped)
+    probabilities = warped.softmax(dim=-1)  # transformers' distribution
+    draws = torch.stack(
+        [sample(scores, 0.7, 20, 0.8, torch.Generator().manual_seed(s)) for s in range(400)]
+    )  # (400, 3)
+    allowed = probabilities > 0
+    assert allowed[torch.arange(3), draws].all()  # never a token transformers cut
+    counts = torch.zeros(3, 128).scatter_add_(1, draws.T, torch.ones(3, 400))
+    assert (counts / 400 - probabilities).abs().max() < 0.08  # the same distribution
+    expected = torch.multinomial(probabilities, 1, generator=torch.Generator().manual_seed(9))
+    actual = sample(scores, 0.7, 20, 0.8, torch.Generator().manual_seed(9))
+    assert torch.equal(actual, expected[:, 0])  # one draw from the same numbers
+
+
+def test_generate_samples_reproducibly_and_top_k_1_is_greedy() -> None:
+    model = ours("sdpa", "float32")
+    ids, mask, _ = inputs()
+    prompt = dict(input_ids=ids[:, :6], max_new_tokens=10, attention_mask=mask[:, :6])
+    greedy = model.generate(**prompt)
+    assert torch.equal(model.generate(**prompt, do_sample=True, top_k=1), greedy)
+    runs = [
+        model.generate(
+            **prompt,
+            do_sample=True,
+            temperature=1.5,
+            top_p=0.9,
+            generator=torch.Generator().manual_seed(3),
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    assert torch.equal(*runs) and not torch.equal(runs[0], greedy)
+
+
+def test_each_row_stops_at_eos() -> None:
+    model = ours("sdpa", "float32")
+    ids, mask, _ = inputs()
+    free = model.generate(ids[:, :6], 10, attention_mask=mask[:, :6])
+    eos = int(free[1, 8])  # row 1's third new token
+    model.config = dataclasses.replace(model.config, eos_token_ids=(eos,), pad_token_id=0)
+    stopped = model.generate(ids[:, :6], 10, attention_mask=mask[:, :6])
+    row = stopped[1, 6:].tolist()
+    first = row.index(eos)
+    assert row[: first + 1] == free[1, 6 : 7 + first].tolist()
+    assert set(row[first + 1 :]) <= {0}  # padded after its eos
+
+
+# ---------------------------------------------------------------------------------------------
+# Every field of a configuration: accepted means equal to transformers, otherwise refused by name
+
+FIELD_CHANGES = {
+    "vocab_size": 96,
+    "hidden_size": 96,
+    "intermediate_size": 80,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "hidden_act": "gelu",
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 0.5,
+    "tie_word_embeddings": True,
+    "attention_bias": True,
+    "mlp_bias": True,
+    "rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0},
+    "sliding_window": 4,
+    "use_sliding_window": True,
+    "max_window_layers": 1,
+    "pretraining_tp": 2,
+    "attention_dropout": 0.3,
+    "eos_token_id": 5,
+    "bos_token_id": 3,
+    "pad_token_id": 0,
+    "initializer_range": 0.5,
+    "use_cache": False,
+    "partial_rotary_factor": 0.5,
+    "attn_logit_softcapping": 50.0,
+    "query_pre_attn_scalar": 144,
+    "final_logit_softcapping": 30.0,
+}
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_field_is_equal_to_transformers_or_refused_by_name(family: str) -> None:
+    config_class, model_class = FAMILIES[family]
+    base = {**config_class(**SMALL).to_dict(), "sliding_window": None}
+    ids, _, _ = inputs()
+    accepted, refused = [], []
+    for field, value in FIELD_CHANGES.items():
+        fields = {**base, field: value}
+        if field == "partial_rotary_factor":  # lives in rope_parameters
+            fields = {**base, "rope_parameters": {**base["rope_parameters"], field: value}}
+        try:
+            ours = CausalLM.from_config(fields).eval()
+        except ValueError as error:
+            assert field in str(error), f"{family}: {field} refused without its name: {error}"
+            refused.append(field)
+            continue
+        config = config_class(**{k: v for k, v in fields.items() if k != "model_type"})
+        config._attn_implementation = "eager"
+        torch.manual_seed(4)
+        theirs = model_class(config).eval()
+        ours.load_state_dict(theirs.state_dict())
+        with torch.no_grad():
+            expected = theirs(ids % config.vocab_size).logits
+            actual = ours(ids % config.vocab_size)
+        error = (actual - expected).abs().max().item()
+        assert error < 1e-4, f"{family}: {field} = {value!r} accepted but off by {error:.3g}"
+        accepted.append(field)
+    assert {"attn_logit_softcapping", "partial_rotary_factor", "hidden_act"} <= set(refused)
+    assert {"head_dim", "sliding_window", "rope_parameters"} <= set(accepted) | set(refused)
+
+
+def test_every_entry_of_the_model_benchmark_generates_transformers_tokens() -> None:
+    from mha.bench.model import MODEL_IMPLEMENTATIONS
+    from mha.bench.registry import build_runner
+
+    theirs = transformers_models()["float32"]
+    theirs.bench_new_tokens = 6
+    ids, _, _ = inputs()
+    expected = build_runner(MODEL_IMPLEMENTATIONS, "transformers", ids.float(), theirs, ids)()
+    assert expected.shape == (B, T + 6)
+    for name in MODEL_IMPLEMENTATIONS:
+        if name in ("transformers", "sdpa_compiled", "triton"):  # compiling: the matrix
+            continue
+        runner = build_runner(MODEL_IMPLEMENTATIONS, name, ids.float(), theirs, ids)
+        assert torch.equal(runner(), expected), name

@@ -1,4 +1,4 @@
-"""The command line: ``python -m mha.bench {layer,decode,variants} [...]``.
+"""The command line: ``python -m mha.bench {layer,decode,variants,model}``.
 
 A subcommand is a benchmark: its registry, its ``run`` function (named after
 whose keyword arguments the options are), its table, the common options
@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from . import decode, layer, variants
+from . import decode, layer, model, variants
 from .registry import Implementation, implementation_table
 from .report import write_results
 from .timing import DEVICES, DTYPES, log
@@ -19,7 +19,7 @@ from .timing import DEVICES, DTYPES, log
 __all__ = ["main", "COMMANDS"]
 
 #: The subcommands; the first is the default.
-COMMANDS = ("layer", "decode", "variants")
+COMMANDS = ("layer", "decode", "variants", "model")
 
 
 def _numbers(values: Sequence[int]) -> str:
@@ -150,6 +150,20 @@ def _parser() -> argparse.ArgumentParser:
         default=None, help="compile with the compiler's usual cache (by "
         "default an empty temporary one, so first calls include the whole "
         "build)")
+    add = _command(
+        commands, "model",
+        ("a whole model's generate, tokens/s per attention backend",
+         "Time greedy generate of mha.CausalLM (a small Llama with random "
+         "weights) on each attention backend and cache, beside transformers' "
+         "generate on the same weights."),
+        model.MODEL_IMPLEMENTATIONS, model.run_model_benchmark,
+        model.format_model_table,
+        ("prompts", "prompt lengths (default: 32)"),
+    )
+    add("--batch", type=int, metavar="B", help="prompts per call "
+        "(default: 1)")
+    add("--new-tokens", type=int, metavar="N", help="tokens generated per "
+        "call (default: 32)")
     # fmt: on
     return parser
 
