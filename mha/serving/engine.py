@@ -79,6 +79,9 @@ class Engine:
         ]  # fmt: skip
         self.stats = EngineStats()
         self.requests: dict[int, Sequence] = {}
+        self.last_batch: list[
+            tuple[int, int]
+        ] = []  # (id, tokens), decodes first
 
     def add_request(self, prompt_ids, max_new_tokens: int, **sampling) -> int:
         """Queue ``prompt_ids`` (a list or 1-D tensor of token ids) for at
@@ -109,6 +112,7 @@ class Engine:
             return []
         device = self.layers[0].k_pool.device
         plan = StepPlan.build(batch, self.allocator.block_size, device)
+        self.last_batch = [(seq.id, count) for seq, count in batch]
         for layer in self.layers:
             layer.plan = plan
         logits = self.model(plan.ids, position_ids=plan.positions,
