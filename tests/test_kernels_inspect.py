@@ -151,10 +151,14 @@ def test_committed_inspection_covers_every_build_without_spills() -> None:
     result = _committed()
     rows = result["builds"]
     builds = {(r["kernel"], r["arch"], r["dtype"], r["head_dim"], r["causal"]) for r in rows}
-    # kernels, GPUs, dtypes, head sizes, masks
-    assert len(builds) == len(rows) == 4 * 2 * 3 * 6 * 2
+    # kernels x GPUs x dtypes x head sizes x masks, and the paged kernel (causal by its lengths)
+    assert len(builds) == len(rows) == 4 * 2 * 3 * 6 * 2 + 2 * 3 * 6
+    assert {row["kernel"] for row in rows} == {
+        "forward", "backward_dk_dv", "backward_dq", "split_kv", "paged"
+    }  # fmt: skip
     assert {row["head_dim"] for row in rows} == {64, 80, 96, 128, 192, 256}
     assert {row["causal"] for row in rows} == {True, False}
+    assert all(row["causal"] for row in rows if row["kernel"] == "paged")
     for row in rows:
         assert row["spill_bytes"] == 0 and row["stack_bytes"] == 0, row
         assert row["tensor_core_instructions"] == row["hmma"] + row["hgmma"], row

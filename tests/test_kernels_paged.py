@@ -217,3 +217,14 @@ def test_the_pools_are_never_copied() -> None:
     with Watch():
         paged_attention_torch(q, k_pool, v_pool, table, lens)
     assert touched  # the twin gathers (the watch sees it)
+
+
+@TRITON
+def test_a_chunk_whose_rows_fill_several_tiles() -> None:
+    # 4 query heads on one key/value head (MQA) and a chunk of 6 queries: 24 packed rows, two
+    # row tiles of 16, the second half empty; ragged lengths, blocks of 16.
+    lengths = [40, 30]
+    q, k_pool, v_pool, table, lens, keys, values = _paged(lengths, 4, 1, 6, 32, 16, torch.float32)
+    out = kernels.triton_paged_attention(q, k_pool, v_pool, table, lens)
+    expected = _expected(q, keys, values, lengths)
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-5, atol=2e-5)

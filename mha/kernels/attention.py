@@ -163,7 +163,7 @@ def _attend(
 
 
 @triton.jit
-def finish_rows(m, ell, acc):
+def _finish(m, ell, acc):
     """Output rows ``acc / ell`` (0 where no key was seen) and logsumexp."""
     seen = ell > 0.0
     out = acc / tl.where(seen, ell, 1.0)[:, None]
@@ -212,7 +212,7 @@ def _forward_kernel(
         CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
         HAS_KEY_START,
     )  # fmt: skip
-    out, logsumexp = finish_rows(m, ell, acc)
+    out, logsumexp = _finish(m, ell, acc)
     out_tile = _tile(Out + b * stride_ob + h * stride_oh, rows, dims,
                      stride_ot, stride_od)  # fmt: skip
     tl.store(out_tile, out.to(Out.dtype.element_ty), real)
@@ -266,7 +266,7 @@ def _split_kv_kernel(
         CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
         HAS_KEY_START,
     )  # fmt: skip
-    out, logsumexp = finish_rows(m, ell, acc)
+    out, logsumexp = _finish(m, ell, acc)
     part = batch_head * num_splits + split  # partial[b, h, split]
     out_tile = _tile(Partial + part * t_q * HEAD_DIM, rows, dims, HEAD_DIM, 1)
     tl.store(out_tile, out, real)
@@ -593,7 +593,7 @@ def split_kv_forward(
     if num_splits is None:
         programs = batch * heads * triton.cdiv(t_q, tiles.block_q)
         num_splits = default_num_splits(
-            programs, t_k, tiles.block_k, multiprocessors(q.device)
+            programs, t_k, tiles.block_k, _multiprocessors(q.device)
         )
     keys_per_split, splits = split_sizes(t_k, num_splits, tiles.block_k)
     partial = torch.empty(
@@ -627,10 +627,15 @@ def _like(t: Tensor) -> dict:
     return {"dtype": t.dtype, "device": t.device}
 
 
-def multiprocessors(device: torch.device) -> int:
+def _multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return H100_MULTIPROCESSORS
+
+
+#: Public names of two helpers that :mod:`mha.kernels.paged` shares.
+finish_rows = _finish
+multiprocessors = _multiprocessors
 
 
 class TritonAttention(torch.autograd.Function):
