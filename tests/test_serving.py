@@ -17,7 +17,6 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from mha import CausalLM, Engine
-from mha.serving import BlockAllocator, Sequence
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import LlamaConfig, MistralConfig
@@ -103,7 +102,7 @@ def test_every_request_equals_its_prompt_generated_alone(workload) -> None:
     assert engine.stats.peak_blocks_in_use <= num_blocks
     event(f"preempted: {engine.stats.preemptions > 0}")
     event(f"prefix reused: {engine.stats.prefix_tokens_reused > 0}")
-    assert engine.allocator.in_use == 0  # every block given back
+    assert engine.scheduler.blocks_in_use == 0  # every block given back
 
 
 def test_a_shared_prefix_is_computed_once() -> None:
@@ -133,27 +132,6 @@ def test_the_block_of_the_newest_token_is_always_computed() -> None:
     c = engine.add_request(prompt, 2)
     assert engine.run()[c] == alone(tuple(prompt), 2)
     assert engine.stats.prefix_tokens_reused == 4
-
-
-def test_freed_blocks_are_reused_least_recently_freed_first() -> None:
-    allocator = BlockAllocator(4, 2)
-    a, b = Sequence([1, 2, 3, 4, 5], 1), Sequence([1, 2, 3, 4, 6], 1)
-    allocator.allocate(a)  # 3 blocks: [1, 2], [3, 4], [5]
-    a.num_computed = 5
-    allocator.register(a)  # the two full blocks are hashed
-    assert allocator.allocate(b) == 4  # both full blocks shared
-    assert [allocator.ref_count[i] for i in a.block_table] == [2, 2, 1]
-    allocator.release(a)
-    assert [allocator.ref_count[i] for i in b.block_table[:2]] == [1, 1]
-    allocator.release(b)
-    assert allocator.in_use == 0
-    c = Sequence([1, 2, 3, 4, 7], 1)
-    assert allocator.allocate(c) == 4  # still cached after both were freed
-    allocator.release(c)
-    d = Sequence([9] * 7, 1)  # 4 blocks: every block, the cached ones evicted
-    assert allocator.allocate(d) == 0 and allocator.in_use == 4
-    allocator.release(d)
-    assert allocator.allocate(Sequence([1, 2, 3, 4, 7], 1)) == 0  # evicted
 
 
 def test_the_newest_request_is_preempted_and_recomputed() -> None:
@@ -315,3 +293,21 @@ def test_the_triton_paged_kernel_serves_the_engine() -> None:
     finally:
         model.set_attention_backend("sdpa")
     assert [got[i] for i in ids] == want
+
+
+def test_the_serve_benchmark_reports_every_entry() -> None:
+    from mha.bench import serve
+
+    report = serve.run_serve_benchmark(
+        requests=(2,), repeats=1, min_time=0.0, max_repeats=1, quiet=True
+    )
+    rows = {row["impl"]: row for row in report["results"]}
+    assert set(rows) == {"engine", "one_by_one", "static_batch"}
+    assert all(row["status"] == "ok" and row["tokens_per_s"] > 0 for row in rows.values())
+    work = serve.workload(2)
+    memory = report["memory"][0]
+    assert memory["tokens_equal_one_by_one"]
+    longest = max(len(p) for p, _ in work) + max(n for _, n in work)
+    assert memory["static_batch_positions"] == 2 * longest
+    assert memory["engine_peak_blocks"] <= serve.pool_blocks(work)
+    assert "engine/one_by_one" in report["ratios"][0]

@@ -121,7 +121,7 @@ def memory(model: CausalLM, work, budget: int) -> dict[str, Any]:
     while server.scheduler.has_work():
         server.step()
         held = sum(s.num_computed for s in server.scheduler.running)
-        peak = max(peak, (server.allocator.in_use, held))
+        peak = max(peak, (server.scheduler.blocks_in_use, held))
     got = list(server.run().values())  # in the order of the requests
     device = model.lm_head.weight.device
     alone = [

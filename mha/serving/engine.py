@@ -18,8 +18,8 @@ import torch
 
 from .._validate import check_int
 from ..model import CausalLM, sample
-from .allocator import BlockAllocator
 from .batch import PagedLayer, StepPlan
+from .blocks import BlockAllocator
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
@@ -92,7 +92,7 @@ class Engine:
             prompt_ids, max_new_tokens, sampling, self.model.config
         )
         alloc = self.allocator
-        needed = alloc.blocks_for(len(seq) + max_new_tokens - 1)
+        needed = -(-(len(seq) + max_new_tokens - 1) // alloc.block_size)
         if needed > alloc.num_blocks:
             raise ValueError(
                 f"a prompt of {len(seq)} tokens and max_new_tokens = "
@@ -141,7 +141,7 @@ class Engine:
         stats.prefill_tokens += tokens - decodes
         stats.preemptions = scheduler.preemptions
         stats.prefix_tokens_reused = scheduler.prefix_tokens_reused
-        stats.peak_blocks_in_use = self.allocator.peak_in_use
+        stats.peak_blocks_in_use = scheduler.peak_blocks
 
     def run(self) -> dict[int, list[int]]:
         """Step until every request is done; {id: generated token ids}."""

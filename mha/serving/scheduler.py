@@ -13,7 +13,7 @@ budget of ``max_num_batched_tokens`` tokens:
 2. then waiting requests, while budget is left and the pool has blocks for
    every token of the request (its prompt; after a preemption, its prompt
    and what it had generated): admitted, they take those blocks (reusing
-   cached ones, :class:`~mha.serving.allocator.BlockAllocator`) and the
+   cached ones, :class:`~mha.serving.blocks.BlockAllocator`) and the
    first chunk of what is left to compute.
 
 So one step mixes decode tokens with prefill chunks (chunked prefill,
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .allocator import BlockAllocator
+from .blocks import BlockAllocator, OutOfBlocks, block_hashes
 from .sequence import Sequence, Status
 
 __all__ = ["Scheduler"]
@@ -42,6 +42,7 @@ class Scheduler:
         self.preemptions = 0
         self.preempted_now = 0  # in the step being scheduled
         self.prefix_tokens_reused = 0
+        self.peak_blocks = 0  # the most blocks in use at once
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request."""
@@ -66,10 +67,9 @@ class Scheduler:
             budget -= count
         while self.waiting and budget > 0 and not self.preempted_now:
             seq = self.waiting[0]
-            if not self.allocator.can_allocate(seq):
+            if not self._admit(seq):
                 break  # first come, first served: no overtaking
             self.waiting.popleft()
-            self.prefix_tokens_reused += self.allocator.allocate(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             count = min(seq.to_compute, budget)
@@ -77,20 +77,47 @@ class Scheduler:
             budget -= count
         return batch
 
+    @property
+    def blocks_in_use(self) -> int:
+        """Blocks that some request holds."""
+        return self.allocator.num_blocks - self.allocator.num_free
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Blocks for every token of ``seq``, cached ones first; False
+        (nothing taken) if the pool is short."""
+        try:
+            blocks, cached = self.allocator.allocate_prompt(seq.tokens)
+        except OutOfBlocks:
+            return False
+        seq.block_table, seq.num_computed = blocks, cached
+        seq.hashes = block_hashes(
+            seq.tokens[:cached], self.allocator.block_size
+        )
+        self.prefix_tokens_reused += cached
+        self.peak_blocks = max(self.peak_blocks, self.blocks_in_use)
+        return True
+
     def _make_room(self, seq: Sequence, positions: int) -> bool:
         """Blocks for ``positions`` positions of ``seq``, preempting the
         newest running requests if needed; False if ``seq`` was the one."""
-        while not self.allocator.can_append(seq, positions):
+        size = self.allocator.block_size
+        needed = -(-positions // size) - len(seq.block_table)
+        while needed > self.allocator.num_free:
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
                 return False
-        self.allocator.append(seq, positions)
+        seq.block_table += [self.allocator.allocate() for _ in range(needed)]
+        self.peak_blocks = max(self.peak_blocks, self.blocks_in_use)
         return True
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_table)
+        seq.block_table, seq.num_computed, seq.hashes = [], 0, []
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.allocator.release(seq)
+        self._release(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.preemptions += 1
@@ -100,11 +127,18 @@ class Scheduler:
         """After the forward: count the computed tokens, hash full blocks,
         free the blocks of finished requests; returns those."""
         done = []
+        size = self.allocator.block_size
         for seq, count in batch:
             seq.num_computed += count
-            self.allocator.register(seq)
+            for i in range(len(seq.hashes), seq.num_computed // size):
+                parent = seq.hashes[-1] if seq.hashes else None
+                tokens = seq.tokens[i * size : (i + 1) * size]
+                block = seq.block_table[i]  # full and computed: findable
+                seq.hashes.append(
+                    self.allocator.register(block, parent, tokens)
+                )
             if seq.status is Status.FINISHED:
                 self.running.remove(seq)
-                self.allocator.release(seq)
+                self._release(seq)
                 done.append(seq)
         return done

@@ -52,6 +52,7 @@ class Sequence:
     id: int = field(default_factory=lambda: next(_ids))
     tokens: list[int] = field(init=False)
     block_table: list[int] = field(default_factory=list, init=False)
+    hashes: list[int] = field(default_factory=list, init=False)  # full blocks
     num_computed: int = field(default=0, init=False)
     status: Status = field(default=Status.WAITING, init=False)
 
@@ -120,9 +121,3 @@ class Sequence:
         self.tokens.append(token)
         if len(self.generated) >= self.max_new_tokens or token in self.eos:
             self.status = Status.FINISHED
-
-    def block_tokens(self, index: int, block_size: int) -> tuple[int, ...]:
-        """The tokens of block ``index`` of this sequence."""
-        return tuple(
-            self.tokens[index * block_size : (index + 1) * block_size]
-        )
