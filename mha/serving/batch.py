@@ -118,8 +118,9 @@ class PagedLayer:
                 rows = q[0, :, first:end].transpose(0, 1)[:, :, None]
             else:  # a chunk of one request
                 rows = q[:, :, first:end]  # (1, H, T_q, d_k)
-            out = self.attention(rows.contiguous(), self.k_pool,
-                                 self.v_pool, table, lens)  # fmt: skip
+            out = self.attention(
+                rows.contiguous(), self.k_pool, self.v_pool, table, lens
+            )
             if len(lens) > 1:
                 out = out[:, :, 0].transpose(0, 1)[None]  # (1, H, B, d_k)
             parts.append(out)
