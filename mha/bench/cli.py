@@ -178,6 +178,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     add("--requests", type=int, nargs="+", metavar="N", help="numbers of "
         "requests (the same as --seq-lens here; default: 8)")
+    add("--mix", choices=tuple(serve.MIXES), help="the requests' lengths: "
+        "chat, prompts of 8-128 tokens and 8-64 new; short_prompts, 8-32 "
+        "and 32-128 (default: chat)")
     add("--budget", type=int, metavar="TOKENS", help="the engine's "
         "max_num_batched_tokens (default: 256)")
     # fmt: on

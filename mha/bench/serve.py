@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._validate import check_choice
 from ..environment import describe, load_average
 from ..model import CausalLM
 from ..serving import Engine
@@ -41,6 +42,8 @@ __all__ = ["SERVE_IMPLEMENTATIONS", "run_serve_benchmark", "format_serve"]
 #: The serve benchmark's entries, in table order.
 SERVE_IMPLEMENTATIONS: dict[str, Implementation] = {}
 BLOCK_SIZE = 16
+#: Mixes of requests: (prompt lengths, new tokens), each drawn uniformly.
+MIXES = {"chat": ((8, 128), (8, 64)), "short_prompts": ((8, 32), (32, 128))}
 
 
 def _entry(name: str, summary: str) -> Callable:
@@ -49,17 +52,21 @@ def _entry(name: str, summary: str) -> Callable:
     )
 
 
-def workload(requests: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """``requests`` (prompt ids, new tokens): prompts of 8 to 128 tokens,
-    8 to 64 new tokens, drawn with ``seed``."""
+def workload(
+    requests: int, mix: str = "chat", seed: int = 0
+) -> list[tuple[list[int], int]]:
+    """``requests`` (prompt ids, new tokens) of ``mix`` (:data:`MIXES`;
+    ``chat``: prompts of 8 to 128 tokens, 8 to 64 new tokens), drawn with
+    ``seed``."""
+    (p_lo, p_hi), (n_lo, n_hi) = MIXES[mix]
     g = torch.Generator().manual_seed(seed)
     draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (), generator=g))  # noqa: E731
     work = []
     for _ in range(requests):
         prompt = torch.randint(
-            0, MODEL_CONFIG["vocab_size"], (draw(8, 128),), generator=g
+            0, MODEL_CONFIG["vocab_size"], (draw(p_lo, p_hi),), generator=g
         ).tolist()
-        work.append((prompt, draw(8, 64)))
+        work.append((prompt, draw(n_lo, n_hi)))
     return work
 
 
@@ -147,6 +154,7 @@ def run_serve_benchmark(
     device: str = "cpu",
     dtype: str = "float32",
     requests: Sequence[int] = (8,),
+    mix: str = "chat",
     budget: int = 256,
     impls: Sequence[str] | None = None,
     threads: int | None = None,
@@ -158,6 +166,7 @@ def run_serve_benchmark(
 
     timing = Timing(**timing)
     check_arguments(dtype, {"budget": budget}, {"requests": requests})
+    check_choice("mix", mix, tuple(MIXES))
     torch_device, impls, env = prepare(
         SERVE_IMPLEMENTATIONS, impls, device, dtype, threads
     )
@@ -169,7 +178,7 @@ def run_serve_benchmark(
     log(f"mha.bench serve: {describe(env)}", quiet)
     results, memories = [], []
     for n in requests:
-        work = workload(n)
+        work = workload(n, mix)
         tokens = sum(new for _, new in work)
         cases = {
             impl: Case(
@@ -197,7 +206,8 @@ def run_serve_benchmark(
             "budget": budget,
             "requests": list(requests),
             "impls": impls,
-            "workloads": {n: workload(n) for n in requests},
+            "mix": mix,
+            "workloads": {n: workload(n, mix) for n in requests},
             **timing.record(torch_device),
         },
         "results": results,
