@@ -19,8 +19,8 @@ over a whole preallocated cache). A mask that hides nothing is no kind: a
 single newest query needs no causal mask, a window wider than every
 distance no window.
 
-Backends: ``eager`` (the written-out softmax, :func:`mha.decoding
-.grouped_attention`), ``sdpa`` (``F.scaled_dot_product_attention``),
+Backends: ``eager`` (the written-out softmax, :func:`grouped_attention`, which
+:mod:`mha.decoding` re-exports), ``sdpa`` (``F.scaled_dot_product_attention``),
 ``tiled`` (:func:`mha.flash_attention_torch`), ``triton`` (the Triton
 kernels, :mod:`mha.kernels`; split-KV for a single query) and ``flex``
 (FlexAttention with chapter 15's mask functions, :mod:`mha.variants`).
@@ -29,6 +29,7 @@ kernels, :mod:`mha.kernels`; split-KV for a single query) and ``flex``
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
@@ -47,6 +48,7 @@ __all__ = [
     "get_backend",
     "attend",
     "check_qkv",
+    "grouped_attention",
     "register_transformers_backends",
 ]
 
@@ -204,11 +206,46 @@ def check_qkv(q: object, k: object, v: object) -> None:
 # The backends
 
 
+def grouped_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    keep: Tensor | None = None,
+    *,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """softmax(q k^T / sqrt(d_k)) v, each key/value head serving G query heads.
+
+    q (B, H, T_q, d_k); k, v (B, H_kv, T_k, d_k); ``keep`` a boolean mask
+    broadcastable to (B, H, T_q, T_k), ``True`` where a query may attend.
+    Query head ``h`` reads key/value head ``h // G`` (``transformers``'
+    ``repeat_kv`` order), without copying the keys and values G times.
+    A query with no key to attend gets zeros. Returns (B, H, T_q, d_k).
+    """
+    H_kv, G = k.shape[1], q.shape[1] // k.shape[1]
+    q = q.unflatten(1, (H_kv, G))  # (B, H_kv, G, T_q, d_k)
+    scores = torch.einsum("bkgqd,bksd->bkgqs", q, k) / math.sqrt(q.shape[-1])
+    if keep is not None:  # scores: (B, H_kv, G, T_q, T_k)
+        scores = scores.masked_fill(~_grouped(keep, H_kv, G), -math.inf)
+    weights = torch.softmax(scores, dim=-1)  # (B, H_kv, G, T_q, T_k)
+    if keep is not None:  # a row without keys is 0/0: make it zeros
+        weights = weights.nan_to_num(0.0)
+    weights = F.dropout(weights, p=dropout_p)
+    heads = torch.einsum("bkgqs,bksd->bkgqd", weights, v)
+    return heads.flatten(1, 2)  # (B, H, T_q, d_k)
+
+
+def _grouped(keep: Tensor, num_kv_heads: int, group: int) -> Tensor:
+    """A mask broadcastable to (B, H, T_q, T_k) -> (B or 1, H_kv, G, ...)."""
+    keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
+    if keep.shape[1] == 1:  # the same for every head
+        return keep.unsqueeze(2)  # (B or 1, 1, 1, T_q or 1, T_k)
+    return keep.unflatten(1, (num_kv_heads, group))  # (., H_kv, G, ., T_k)
+
+
 @register("eager", masks=MASK_KINDS, summary="softmax(QK^T/sqrt(d))V")
 def eager(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     """The book's written-out attention; a row with no key gets zeros."""
-    from .decoding import grouped_attention
-
     return grouped_attention(
         q, k, v, masking.keep(q.shape[2], k.shape[2], q.device)
     )

@@ -121,6 +121,7 @@ class KVCache:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.dtype, self.device = dtype, self.keys.device
         self.length = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._count: tuple[int, int] | None = None  # see _host_count
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v (B, H_kv, T, d_k) after the cached ones; return all.
@@ -140,7 +141,7 @@ class KVCache:
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def __len__(self) -> int:
-        return int(self.length)
+        return _host_count(self)
 
     @property
     def seen(self) -> int:
@@ -286,6 +287,7 @@ class PagedKVCache:
             (batch, self.blocks_per_row), num_blocks, device=self.device
         )  # (B, blocks per row)
         self.length = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._count: tuple[int, int] | None = None  # see _host_count
         self.reset()
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -357,7 +359,7 @@ class PagedKVCache:
         return self.num_blocks - len(self._free)
 
     def __len__(self) -> int:
-        return int(self.length)
+        return _host_count(self)
 
     @property
     def seen(self) -> int:
@@ -391,6 +393,21 @@ class PagedKVCache:
                 self.block_table[row, i] = self.null_block
 
     check_update = KVCache.check_update
+
+
+def _host_count(cache: KVCache | PagedKVCache) -> int:
+    """``int(cache.length)``, read from the device only when the tensor was
+    written since the last read: its ``_version`` counts in-place writes
+    (``+=``, ``fill_``, ``zero_``). A decoding step asks for the length
+    several times (the model's check, the layer's, the position, the
+    update's); one read from the host is enough."""
+    length = cache.length
+    if not isinstance(length, Tensor) or torch.compiler.is_compiling():
+        return int(length)  # a count kept in Python; or traced
+    count = getattr(cache, "_count", None)
+    if count is None or count[1] != length._version:
+        count = cache._count = (int(length), length._version)
+    return count[0]
 
 
 def _check_cache_args(

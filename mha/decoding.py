@@ -28,7 +28,6 @@ query heads per key/value head, ``d_k = D / H``.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 
 import torch
@@ -42,6 +41,7 @@ from ._validate import (
     check_positions,
     check_probability,
 )
+from .backends import grouped_attention
 from .caches import (
     Cache,
     ConcatKVCache,
@@ -72,35 +72,6 @@ __all__ = [
     "train_decoder",
     "evaluate_decoder",
 ]
-
-
-def grouped_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    keep: Tensor | None = None,
-    *,
-    dropout_p: float = 0.0,
-) -> Tensor:
-    """softmax(q k^T / sqrt(d_k)) v, each key/value head serving G query heads.
-
-    q (B, H, T_q, d_k); k, v (B, H_kv, T_k, d_k); ``keep`` a boolean mask
-    broadcastable to (B, H, T_q, T_k), ``True`` where a query may attend.
-    Query head ``h`` reads key/value head ``h // G`` (``transformers``'
-    ``repeat_kv`` order), without copying the keys and values G times.
-    A query with no key to attend gets zeros. Returns (B, H, T_q, d_k).
-    """
-    H_kv, G = k.shape[1], q.shape[1] // k.shape[1]
-    q = q.unflatten(1, (H_kv, G))  # (B, H_kv, G, T_q, d_k)
-    scores = torch.einsum("bkgqd,bksd->bkgqs", q, k) / math.sqrt(q.shape[-1])
-    if keep is not None:  # scores: (B, H_kv, G, T_q, T_k)
-        scores = scores.masked_fill(~_grouped(keep, H_kv, G), -math.inf)
-    weights = torch.softmax(scores, dim=-1)  # (B, H_kv, G, T_q, T_k)
-    if keep is not None:  # a row without keys is 0/0: make it zeros
-        weights = weights.nan_to_num(0.0)
-    weights = F.dropout(weights, p=dropout_p)
-    heads = torch.einsum("bkgqs,bksd->bkgqd", weights, v)
-    return heads.flatten(1, 2)  # (B, H, T_q, d_k)
 
 
 class GroupedQueryAttention(nn.Module):
@@ -334,14 +305,6 @@ def _mask(
     else:
         keep = (slots < start + t_q)[None, :].expand(t_q, t_k)
     return (keep if attn_mask is None else attn_mask & keep), False
-
-
-def _grouped(keep: Tensor, num_kv_heads: int, group: int) -> Tensor:
-    """A mask broadcastable to (B, H, T_q, T_k) -> (B or 1, H_kv, G, ...)."""
-    keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
-    if keep.shape[1] == 1:  # the same for every head
-        return keep.unsqueeze(2)  # (B or 1, 1, 1, T_q or 1, T_k)
-    return keep.unflatten(1, (num_kv_heads, group))  # (., H_kv, G, ., T_k)
 
 
 def _check_layer_positions(

@@ -30,7 +30,7 @@ from .decoding import GroupedQueryAttention
 from .functional import merge_heads, split_heads
 from .positions import rope_cos_sin, rotate_pairs
 
-__all__ = ["RMSNorm", "MLP", "Attention", "DecoderLayer", "CausalLM"]
+__all__ = ["RMSNorm", "MLP", "Attention", "DecoderLayer", "CausalLM", "sample"]
 
 
 class RMSNorm(nn.Module):

@@ -84,3 +84,37 @@ def test_a_rolling_cache_refuses_what_a_layer_cannot_attend_through() -> None:
         cache.truncate(4)
     cache.truncate(6)
     assert (cache.seen, len(cache)) == (6, 4)
+
+
+@pytest.mark.parametrize("kind", ["preallocated", "paged"])
+def test_a_decoding_step_reads_the_cache_length_from_the_device_once(kind, monkeypatch) -> None:
+    """The layer's check, its positions and the update each ask for len(cache): one read of the
+    length tensor serves them (a read from a GPU waits for every queued kernel)."""
+    torch.manual_seed(0)
+    layer = GroupedQueryAttention(H * D_K, H, H_KV, dtype=torch.float64).eval()
+    cache = new_cache(kind)
+    x = randn(B, T, H * D_K, seed=5)
+    with torch.no_grad():
+        layer(x[:, :4], cache=cache)
+    reads = []
+    to_int = torch.Tensor.__int__
+
+    def counted(tensor):
+        reads.append(tensor is cache.length)
+        return to_int(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "__int__", counted)
+    with torch.no_grad():
+        layer(x[:, 4:5], cache=cache)
+    assert sum(reads) == 1 and len(cache) == 5
+
+
+def test_a_subclass_may_count_in_python() -> None:
+    """Chapter 12's cache that keeps its length as a Python int still has a len()."""
+
+    class CountedInPython(KVCache):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.length = 3
+
+    assert len(CountedInPython(B, T, H_KV, D_K)) == 3
