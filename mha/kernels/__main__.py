@@ -5,7 +5,7 @@ For each kernel (forward, the two backward kernels, split-KV, paged), GPU
 128, 192, 256 by default) and mask (causal and full), the kernel is compiled
 at its default launch settings (the paged kernel: causal only, by its
 lengths), without a GPU, and one JSON line is printed:
-kernel, arch, dtype, head_dim, causal, block_q, block_k, num_warps,
+kernel, arch, dtype, head_dim, causal, key_start, block_q, block_k, num_warps,
 num_stages, registers, stack_bytes, spill_bytes, shared_bytes,
 tensor_core_instructions (``hmma`` + ``hgmma``), hmma, hgmma, hgmma_a_regs,
 hgmma_a_smem (the ``HGMMA`` whose A operand is in registers, or in shared
@@ -121,6 +121,12 @@ def parser() -> argparse.ArgumentParser:
         "default both",
     )
     p.add_argument(
+        "--key-start",
+        action="store_true",
+        help="compile the kernels with per-row key starts (a left-padded "
+        "batch); the paged kernel, which takes none, is left out",
+    )
+    p.add_argument(
         "--cubin-dir",
         type=Path,
         help="write each build's cubin (GPU machine code) to this folder",
@@ -210,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in inspect_builds(
         args.arch, args.dtype, args.head_dim, args.kernel, args.cubin_dir,
         causal=tuple(mask == "causal" for mask in args.mask),
+        key_start=args.key_start,
     ):  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)

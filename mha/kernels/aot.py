@@ -83,9 +83,11 @@ def example_launches(
     head_dim: int,
     capability: int,
     causal: bool = True,
+    key_start: bool = False,
 ) -> list:
     """The launch(es) of ``kernel`` that :mod:`mha.kernels.attention` makes,
-    with its default tiles for the target, on meta tensors."""
+    with its default tiles for the target, on meta tensors; ``key_start``:
+    with per-row key starts (a left-padded batch)."""
     batch, heads, kv_heads, t = EXAMPLE.values()
     major = (capability // 10, capability % 10)
 
@@ -98,7 +100,12 @@ def example_launches(
     q, k, v = tensor(heads, t_q), tensor(kv_heads, t), tensor(kv_heads, t)
     lse = torch.empty((batch, heads, t_q), device="meta")
     tiles = kernels.default_tiles(kernel, head_dim, dtype, major)
-    common = dict(causal=causal, scale=head_dim**-0.5)
+    starts = torch.empty((batch,), dtype=torch.int32, device="meta")
+    common = dict(
+        causal=causal,
+        scale=head_dim**-0.5,
+        key_start=starts if key_start else None,
+    )
     if kernel == "forward":
         return [kernels.forward_launch(q, k, v, q, lse, tiles=tiles, **common)]
     if kernel == "split_kv":
@@ -258,9 +265,11 @@ def inspect_builds(
     kernel_names=kernels.KERNELS,
     cubin_dir: Path | None = None,
     causal=(True, False),
+    key_start: bool = False,
 ) -> Iterator[dict]:
     """Compile each (kernel, arch, dtype, head_dim, causal) and yield its
-    row."""
+    row; ``key_start``: the kernels with per-row key starts (left padding),
+    which the paged kernel does not take (it is left out)."""
     if INTERPRETED is not False:
         raise RuntimeError(
             "the kernels were decorated for Triton's interpreter: inspect in "
@@ -270,18 +279,23 @@ def inspect_builds(
         for dtype in dtypes:
             for head_dim in head_dims:
                 for name in kernel_names:
+                    if key_start and name == "paged":
+                        continue
                     # the paged kernel is causal by its lengths: no flag
                     masks = (True,) if name == "paged" else causal
                     for masked in masks:
                         yield _inspect_one(
-                            name, arch, dtype, head_dim, masked, cubin_dir
-                        )
+                            name, arch, dtype, head_dim, masked, key_start,
+                            cubin_dir,
+                        )  # fmt: skip
 
 
-def _inspect_one(name, arch, dtype, head_dim, causal, cubin_dir) -> dict:
+def _inspect_one(
+    name, arch, dtype, head_dim, causal, key_start, cubin_dir
+) -> dict:
     capability = ARCHS[arch]
     (launch,) = example_launches(
-        name, DTYPES[dtype], head_dim, capability, causal
+        name, DTYPES[dtype], head_dim, capability, causal, key_start
     )
     compiled = compile_launch(launch, capability)
     row = {
@@ -290,6 +304,7 @@ def _inspect_one(name, arch, dtype, head_dim, causal, cubin_dir) -> dict:
         "dtype": dtype,
         "head_dim": head_dim,
         "causal": bool(causal),
+        "key_start": bool(key_start),
         "block_q": launch.constants["BLOCK_Q"],
         "block_k": launch.constants["BLOCK_K"],
         "num_warps": launch.constants["num_warps"],
@@ -298,7 +313,9 @@ def _inspect_one(name, arch, dtype, head_dim, causal, cubin_dir) -> dict:
         "cubin": None,
     }
     if cubin_dir is not None:
-        mask = "causal" if causal else "full"
+        mask = ("causal" if causal else "full") + (
+            "_key_start" if key_start else ""
+        )
         path = (
             Path(cubin_dir) / f"{name}_{arch}_{dtype}_d{head_dim}_{mask}.cubin"
         )

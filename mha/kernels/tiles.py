@@ -58,8 +58,8 @@ KERNELS = ("forward", "backward_dk_dv", "backward_dq", "split_kv", "paged")
 
 # Default tiles, chosen by compiling every kernel ahead of time (python -m
 # mha.kernels --inspect) so that no build spills registers to local memory
-# (at d_k 64, 80, 96, 128, 192 and 256, causal or not: 288 builds) and every
-# program's shared memory fits the GPU:
+# (at d_k 64, 80, 96, 128, 192 and 256, causal or not, with per-row key
+# starts or not) and every program's shared memory fits the GPU:
 # (kernel, arch, bytes per element, padded head size) -> Tiles. Float32
 # products are computed in full float32 by the CUDA cores (no tensor cores),
 # which needs far more registers: smaller tiles, more warps. "sm_80" also
@@ -101,11 +101,11 @@ _TILES = {
     ("backward_dq", "sm_90", 2, 256): Tiles(32, 16, 8, 2),
     # float32 inputs: twice the bytes per element, smaller tiles
     ("forward", "sm_80", 4, 64): Tiles(64, 32, 8, 2),
-    ("forward", "sm_80", 4, 128): Tiles(64, 32, 8, 2),
+    ("forward", "sm_80", 4, 128): Tiles(32, 32, 8, 2),
     ("forward", "sm_80", 4, 256): Tiles(32, 16, 8, 2),
     ("forward", "sm_90", 4, 64): Tiles(64, 32, 8, 2),
     ("forward", "sm_90", 4, 128): Tiles(64, 16, 8, 2),
-    ("forward", "sm_90", 4, 256): Tiles(32, 32, 8, 2),
+    ("forward", "sm_90", 4, 256): Tiles(32, 16, 8, 2),
     ("split_kv", "sm_80", 4, 64): Tiles(16, 32, 4, 2),
     ("paged", "sm_80", 4, 64): Tiles(16, 32, 4, 2),
     ("split_kv", "sm_80", 4, 128): Tiles(16, 16, 4, 2),
