@@ -28,6 +28,7 @@ pin it (``tests/test_rooms.py`` keeps the table true):
 * :mod:`mha.backends` - attention backends by name, each with its masks
 * :mod:`mha.model` - a whole Llama-family model, its attention a switch
 * :mod:`mha.latent` - multi-head latent attention (MLA) and its cache
+* :mod:`mha.serving` - many requests: a paged pool, a scheduler, an engine
 
 The order inside a topic: the NumPy reference first, then the torch or fast
 version, tests that pin one to the other, a benchmark entry, the chapter.
@@ -78,6 +79,7 @@ _LAZY = {
     "register_transformers_backends": "mha.backends",
     "MultiHeadLatentAttention": "mha.latent",
     "LatentKVCache": "mha.latent",
+    "Engine": "mha.serving",
 }
 
 __all__ = [*reference.__all__, *_LAZY]

@@ -120,6 +120,9 @@ class Attention(GroupedQueryAttention):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_cos_sin(positions, d_k, self.rope, q.dtype)
         q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
+        if hasattr(cache, "attend"):  # a serving step (mha.serving.batch)
+            heads = cache.attend(q, k, v, self.window)  # reads the pool
+            return self.o_proj(merge_heads(heads))  # (B, T, D)
         masking = Masking(window=self.window, padding=padding)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, H_kv, T_k, d_k)
