@@ -22,6 +22,13 @@ pin it (``tests/test_rooms.py`` keeps the table true):
 * :mod:`mha.kernels` - Triton attention kernels
 * :mod:`mha.parallel` - heads across processes
 * :mod:`mha.variants` - masks and scores as functions, FlexAttention
+* :mod:`mha.caches` - the key/value cache protocol and its caches
+* :mod:`mha.configs` - one reader of transformers' configurations
+* :mod:`mha.environment` - what measured figures depend on
+* :mod:`mha.backends` - attention backends by name, each with its masks
+* :mod:`mha.model` - a whole Llama-family model, its attention a switch
+* :mod:`mha.latent` - multi-head latent attention (MLA) and its cache
+* :mod:`mha.serving` - many requests: a paged pool, a scheduler, an engine
 
 The order inside a topic: the NumPy reference first, then the torch or fast
 version, tests that pin one to the other, a benchmark entry, the chapter.
@@ -49,9 +56,9 @@ _LAZY = {
     "apply_rope": "mha.positions",
     "Rope": "mha.positions",
     "GroupedQueryAttention": "mha.decoding",
-    "KVCache": "mha.decoding",
-    "ConcatKVCache": "mha.decoding",
-    "PagedKVCache": "mha.decoding",
+    "KVCache": "mha.caches",
+    "ConcatKVCache": "mha.caches",
+    "PagedKVCache": "mha.caches",
     "grouped_from_multi_head": "mha.decoding",
     "generate": "mha.decoding",
     "generate_batch": "mha.decoding",
@@ -66,7 +73,13 @@ _LAZY = {
     "parallelize_heads": "mha.parallel",
     "copy_to_ranks": "mha.parallel",
     "sum_over_ranks": "mha.parallel",
-    "RollingKVCache": "mha.variants",
+    "RollingKVCache": "mha.caches",
+    "CausalLM": "mha.model",
+    "attention_backends": "mha.backends",
+    "register_transformers_backends": "mha.backends",
+    "MultiHeadLatentAttention": "mha.latent",
+    "LatentKVCache": "mha.latent",
+    "Engine": "mha.serving",
 }
 
 __all__ = [*reference.__all__, *_LAZY]

@@ -28,6 +28,7 @@ __all__ = [
     "check_tensor",
     "check_same",
     "check_positions",
+    "check_key_start",
     "check_positive",
     "shape_text",
 ]
@@ -189,3 +190,32 @@ def check_positions(positions: object, batch: int, length: int) -> Any:
             f"= ({batch}, {length}), got shape {tuple(positions.shape)}"
         )
     return positions
+
+
+def check_key_start(key_start: object, q: Any) -> Any:
+    """Per-row key starts of a left-padded batch, for attention kernels.
+
+    None, or a (B,) integer tensor on ``q``'s device, ``q`` being (B, H,
+    T_q, d_k); returned as int32 (values below 0 as 0: both hide nothing).
+    """
+    if key_start is None:
+        return None
+    import torch
+
+    check_tensor("key_start", key_start, kind="integer")
+    if q.dim() != 4:
+        raise ValueError(
+            "key_start needs q of shape (B, H, T_q, d_k), got shape "
+            f"{tuple(q.shape)}"
+        )
+    if tuple(key_start.shape) != (q.shape[0],):
+        raise ValueError(
+            f"key_start must have shape (B,) = ({q.shape[0]},), got "
+            f"{tuple(key_start.shape)}"
+        )
+    if key_start.device != q.device:
+        raise ValueError(
+            f"key_start must be on q's device ({q.device}), got "
+            f"{key_start.device}"
+        )
+    return key_start.clamp(0, 2**31 - 1).to(torch.int32).contiguous()

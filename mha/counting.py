@@ -52,6 +52,10 @@ __all__ = [
     "DECODER_KV_CONFIGS",
     "LatentAttentionFigures",
     "DEEPSEEK_V2_MLA",
+    "LatentAttentionShape",
+    "DEEPSEEK_V3_MLA",
+    "grouped_decode_flops",
+    "grouped_decode_bytes",
     "tensor_parallel_parameters",
     "tensor_parallel_saved_elements",
     "all_reduce_bytes",
@@ -777,6 +781,157 @@ class LatentAttentionFigures:
 
 #: DeepSeek-V2's multi-head latent attention, from its paper.
 DEEPSEEK_V2_MLA = LatentAttentionFigures()
+
+
+@dataclass(frozen=True)
+class LatentAttentionShape:
+    """The widths of one multi-head latent attention layer (``mha.latent``)
+    and what decoding one token with it costs.
+
+    Attributes (a ``DeepseekV3Config``'s names): d_model D, num_heads H,
+    kv_lora_rank r (the cached latent), qk_rope_head_dim d_R (the cached
+    rotated key), qk_nope_head_dim d_N, v_head_dim d_v, q_lora_rank (None:
+    one query projection), num_layers L; citation and source, where the
+    numbers are quoted from.
+
+    Counts follow the module's conventions (2 FLOPs a multiply-add, matrix
+    products only) for ONE new token of one sequence that attends to
+    ``context`` keys (the cached ones and its own), in one layer. Bytes are
+    those of the keys and values the attention reads (the weights, the same
+    for every path of one layer, are not counted).
+    """
+
+    d_model: int
+    num_heads: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    num_layers: int = 1
+    citation: str = ""
+    source: str = ""
+
+    def cache_elements_per_token(self) -> int:
+        """``(r + d_R) L``: the latent and the shared rotated key, every
+        layer, however many heads."""
+        return (self.kv_lora_rank + self.qk_rope_head_dim) * self.num_layers
+
+    def projection_flops(self) -> int:
+        """The query, latent and output projections of one token: the same
+        on both paths."""
+        D, H, r = self.d_model, self.num_heads, self.kv_lora_rank
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.q_lora_rank is None:
+            query = D * H * qk
+        else:
+            query = D * self.q_lora_rank + self.q_lora_rank * H * qk
+        latent = D * (r + self.qk_rope_head_dim)
+        return 2 * (query + latent + H * self.v_head_dim * D)
+
+    def attention_flops(
+        self, context: int, *, absorb: bool, queries: int = 1
+    ) -> int:
+        """The rest: what the attention of ``queries`` new tokens to
+        ``context`` keys costs (every score computed, as a dense kernel
+        does, masked or not).
+
+        Naive (``absorb=False``): ``kv_b_proj`` expands every cached latent
+        into H keys (d_N) and values (d_v), ``2 T_k r H (d_N + d_v)``, once
+        for all the queries, then scores and the weighted sum, ``2 H T_q T_k
+        (d_N + d_R + d_v)``. Absorbed, per query: ``W_UK`` (``2 H d_N r``),
+        scores against the latents and rotated keys (``2 H T_k (r + d_R)``),
+        the weighted sum of latents (``2 H T_k r``) and ``W_UV`` (``2 H r
+        d_v``): more per key, nothing per cached token.
+        """
+        T = check_int("context", context)
+        n = check_int("queries", queries)
+        H, r, d_r = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
+        d_n, d_v = self.qk_nope_head_dim, self.v_head_dim
+        if absorb:
+            return 2 * H * n * (d_n * r + T * (2 * r + d_r) + r * d_v)
+        return 2 * T * r * H * (d_n + d_v) + 2 * H * n * T * (d_n + d_r + d_v)
+
+    def decode_flops(self, context: int, *, absorb: bool) -> int:
+        """Projections and attention of one decoded token, one layer."""
+        return self.projection_flops() + self.attention_flops(
+            context, absorb=absorb
+        )
+
+    def decode_bytes(
+        self, context: int, *, absorb: bool, bytes_per_element: int = 2
+    ) -> int:
+        """Bytes of keys and values that one token's attention moves.
+
+        Absorbed: the cache, ``T_k (r + d_R)`` elements. Naive: the cache,
+        then every head's keys ``(d_N + d_R)`` and values ``d_v``, written
+        by the expansion and read by the attention: ``T_k (r + d_R) + 2 T_k
+        H (d_N + d_R + d_v)`` (a model of the traffic, not a measurement).
+        """
+        T = check_int("context", context)
+        check_int("bytes_per_element", bytes_per_element)
+        cache = T * (self.kv_lora_rank + self.qk_rope_head_dim)
+        if absorb:
+            return cache * bytes_per_element
+        heads = self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim
+        expanded = 2 * T * self.num_heads * heads
+        return (cache + expanded) * bytes_per_element
+
+
+#: DeepSeek-V3's attention (671B parameters, 61 layers).
+DEEPSEEK_V3_MLA = LatentAttentionShape(
+    d_model=7168,
+    num_heads=128,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    q_lora_rank=1536,
+    num_layers=61,
+    citation="deepseekai2024deepseekv3",
+    source=(
+        "section 4.2 of deepseekai2024deepseekv3 (61 layers, hidden "
+        "dimension 7168, n_h = 128 heads of d_h = 128, d_c = 512, d_c' = "
+        "1536, d_h^R = 64); the defaults of transformers' DeepseekV3Config"
+    ),
+)
+
+
+def grouped_decode_flops(
+    context: int,
+    d_model: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> int:
+    """FLOPs of one decoded token in a grouped-query layer (MHA when H_kv =
+    H): projections ``2 D d_k (2 H + 2 H_kv)`` and attention ``4 H T_k
+    d_k``, one layer, 2 FLOPs a multiply-add."""
+    for name, value in (
+        ("context", context),
+        ("d_model", d_model),
+        ("num_heads", num_heads),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+    ):
+        check_int(name, value)
+    projections = 2 * d_model * head_dim * (2 * num_heads + 2 * num_kv_heads)
+    return projections + 4 * num_heads * context * head_dim
+
+
+def grouped_decode_bytes(
+    context: int,
+    num_kv_heads: int,
+    head_dim: int,
+    bytes_per_element: int = 2,
+) -> int:
+    """Bytes of keys and values one decoded token reads from a grouped
+    cache: ``2 T_k H_kv d_k`` elements, one layer."""
+    return kv_cache_bytes(
+        1, context, 1, num_kv_heads, head_dim, bytes_per_element
+    )
+
+
 # One layer split by heads over N processes (chapter 14, mha.parallel)
 
 

@@ -6,9 +6,9 @@
   grouped-query attention (Ainslie et al. 2023). Projections named as in
   ``transformers``' ``LlamaAttention`` (``q_proj``, ``k_proj``, ``v_proj``,
   ``o_proj``), so its ``state_dict`` loads with no renaming; RoPE inside.
-* :class:`KVCache`: keys and values of the tokens seen so far, preallocated
-  ``(B, H_kv, max_len, d_k)`` and written in place (as gpt-fast does);
-  :class:`ConcatKVCache` grows by concatenation instead, for comparison.
+* the caches (:class:`KVCache`, :class:`ConcatKVCache`,
+  :class:`PagedKVCache`) live in :mod:`mha.caches`, under the protocol
+  every cache honours, and are re-exported here.
 * :func:`grouped_from_multi_head`: a trained layer's key and value heads,
   mean-pooled per group (Ainslie et al. 2023).
 * :class:`Decoder` and :func:`generate`: a small decoder built from these
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,15 @@ from ._validate import (
     check_positions,
     check_probability,
 )
+from .backends import grouped_attention
+from .caches import (
+    Cache,
+    ConcatKVCache,
+    KVCache,
+    PagedKVCache,
+    cached_so_far,
+)
+from .configs import read_config
 from .functional import (
     causal_mask,
     grouped_query_state_dict,
@@ -66,35 +75,6 @@ __all__ = [
 ]
 
 
-def grouped_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    keep: Tensor | None = None,
-    *,
-    dropout_p: float = 0.0,
-) -> Tensor:
-    """softmax(q k^T / sqrt(d_k)) v, each key/value head serving G query heads.
-
-    q (B, H, T_q, d_k); k, v (B, H_kv, T_k, d_k); ``keep`` a boolean mask
-    broadcastable to (B, H, T_q, T_k), ``True`` where a query may attend.
-    Query head ``h`` reads key/value head ``h // G`` (``transformers``'
-    ``repeat_kv`` order), without copying the keys and values G times.
-    A query with no key to attend gets zeros. Returns (B, H, T_q, d_k).
-    """
-    H_kv, G = k.shape[1], q.shape[1] // k.shape[1]
-    q = q.unflatten(1, (H_kv, G))  # (B, H_kv, G, T_q, d_k)
-    scores = torch.einsum("bkgqd,bksd->bkgqs", q, k) / math.sqrt(q.shape[-1])
-    if keep is not None:  # scores: (B, H_kv, G, T_q, T_k)
-        scores = scores.masked_fill(~_grouped(keep, H_kv, G), -math.inf)
-    weights = torch.softmax(scores, dim=-1)  # (B, H_kv, G, T_q, T_k)
-    if keep is not None:  # a row without keys is 0/0: make it zeros
-        weights = weights.nan_to_num(0.0)
-    weights = F.dropout(weights, p=dropout_p)
-    heads = torch.einsum("bkgqs,bksd->bkgqd", weights, v)
-    return heads.flatten(1, 2)  # (B, H, T_q, d_k)
-
-
 class GroupedQueryAttention(nn.Module):
     """Grouped-query self-attention, rotary positions, an optional cache.
 
@@ -107,6 +87,11 @@ class GroupedQueryAttention(nn.Module):
             rotary positions (positions then come from the input, if at all).
         dropout: probability of dropping an attention weight in training.
         device, dtype: of the parameters.
+        head_dim: d_k, when it is not D / H (the q/k/v widths are H d_k).
+        window: a query at position p sees the keys at p - window + 1 .. p
+            (a sliding window, Mistral's and gpt-oss's), or None: all.
+        sinks: a learned sink logit per head, the parameter ``sinks`` (H,)
+            (gpt-oss): one more term in each row's softmax, with no value.
     """
 
     def __init__(
@@ -119,14 +104,22 @@ class GroupedQueryAttention(nn.Module):
         dropout: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        head_dim: int | None = None,
+        window: int | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
+        self.window = None if window is None else check_int("window", window)
         self.embed_dim = check_int("embed_dim", embed_dim)
         self.num_heads = check_int("num_heads", num_heads)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads)
-        self.head_dim = check_divisible(
-            "embed_dim", embed_dim, "num_heads", num_heads
-        )
+        derived = head_dim is None  # d_k = D / H
+        if derived:
+            head_dim = check_divisible(
+                "embed_dim", embed_dim, "num_heads", num_heads
+            )
+        self.head_dim = check_int("head_dim", head_dim)
         check_divisible("num_heads", num_heads, "num_kv_heads", num_kv_heads)
         self.rope = None if rope_base is None else as_rope(rope_base)
         if self.rope is not None and self.head_dim % 2:
@@ -134,14 +127,23 @@ class GroupedQueryAttention(nn.Module):
                 "RoPE needs an even head width d_k = embed_dim / num_heads "
                 f"(dimension i turns with i + d_k/2), got d_k = "
                 f"{embed_dim} / {num_heads} = {self.head_dim}"
+                if derived
+                else "RoPE needs an even head_dim (dimension i turns with "
+                f"i + d_k/2), got {self.head_dim}"
             )
         self.dropout = check_probability("dropout", dropout)
+        q_dim = self.num_heads * self.head_dim  # H d_k (D unless head_dim)
         kv_dim = self.num_kv_heads * self.head_dim  # H_kv d_k
         factory = {"bias": bias, "device": device, "dtype": dtype}
-        self.q_proj = nn.Linear(embed_dim, embed_dim, **factory)
+        self.q_proj = nn.Linear(embed_dim, q_dim, **factory)
         self.k_proj = nn.Linear(embed_dim, kv_dim, **factory)
         self.v_proj = nn.Linear(embed_dim, kv_dim, **factory)
-        self.o_proj = nn.Linear(embed_dim, embed_dim, **factory)
+        self.o_proj = nn.Linear(q_dim, embed_dim, **factory)
+        self.sinks = None  # or (H,) logits, GptOssAttention's ``sinks``
+        if sinks:
+            self.sinks = nn.Parameter(
+                torch.zeros(num_heads, device=device, dtype=dtype)
+            )
 
     @property
     def rope_base(self) -> float | None:
@@ -153,27 +155,56 @@ class GroupedQueryAttention(nn.Module):
         cls,
         config: object,
         *,
+        layer_idx: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> GroupedQueryAttention:
         """The layer that ``transformers``' ``LlamaAttention`` builds from
-        ``config``: a ``LlamaConfig``, or an object or dict with its fields
+        ``config``: a ``LlamaConfig`` (or ``Qwen2Config``, whose q/k/v have
+        biases and o none), or an object or dict with its fields
         (``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``,
         ``head_dim``, ``attention_bias``, ``attention_dropout``,
         ``max_position_embeddings`` and ``rope_parameters`` in
         ``transformers`` 5's format, rope types default, linear, llama3 and
-        yarn). Its ``state_dict`` loads into ours with no renaming."""
-        fields = _config_fields(config)
-        return cls(
-            fields["hidden_size"],
-            fields["num_attention_heads"],
-            fields["num_key_value_heads"],
-            bias=fields["attention_bias"],
-            rope_base=fields["rope"],
-            dropout=fields["attention_dropout"],
+        yarn), read by :func:`mha.configs.read_config`. Its ``state_dict``
+        loads into ours with no renaming. A field the layer does not
+        implement (Qwen3's q/k norms: the model's layers,
+        :class:`mha.CausalLM`, have them) is refused by name. A
+        ``GptOssConfig`` gives gpt-oss's layer (biases, learned sinks) and
+        ``layer_idx`` its window: ``layer_types[layer_idx]`` is
+        ``"sliding_attention"`` (``sliding_window``) or ``"full_attention"``
+        (none), as in ``GptOssAttention(config, layer_idx)``."""
+        fields = read_config(config, layer=True)
+        if fields.qk_norm:
+            raise ValueError(
+                "config: q_norm and k_norm (model_type 'qwen3') is not "
+                "implemented by GroupedQueryAttention; mha.CausalLM's layers "
+                "implement it"
+            )
+        layer = cls(
+            fields.hidden_size,
+            fields.num_attention_heads,
+            fields.num_key_value_heads,
+            bias=fields.qkv_bias,
+            rope_base=fields.rope,
+            dropout=fields.attention_dropout,
             device=device,
             dtype=dtype,
+            head_dim=fields.head_dim,
+            window=_layer_window(
+                fields.windows, fields.sliding_window, layer_idx
+            ),
+            sinks=fields.sinks,
         )
+        if fields.o_bias != fields.qkv_bias:  # Qwen2: o without a bias
+            layer.o_proj = nn.Linear(
+                layer.o_proj.in_features,
+                layer.o_proj.out_features,
+                bias=fields.o_bias,
+                device=device,
+                dtype=dtype,
+            )
+        return layer
 
     def forward(
         self,
@@ -209,6 +240,11 @@ class GroupedQueryAttention(nn.Module):
         keep, causal = _mask(
             attn_mask, is_causal, start, T, k.shape[2], x.device
         )
+        if self.window is not None or self.sinks is not None:
+            keep = _window_and_sinks(keep, causal, start, q, k, self, cache)
+            causal = False
+            if self.sinks is not None:  # a zero key and value: the sink's
+                k, v = (F.pad(t, (0, 0, 0, 1)) for t in (k, v))
         heads = F.scaled_dot_product_attention(  # grouped_attention, fused
             q,
             k,
@@ -237,6 +273,16 @@ class GroupedQueryAttention(nn.Module):
                 f"x must have shape (B, T, D) with D = {self.embed_dim}, "
                 f"got shape {tuple(x.shape)}"
             )
+        weight = self.q_proj.weight
+        if x.dtype != weight.dtype:  # else torch's "mat1 and mat2" error
+            raise TypeError(
+                f"x must have the layer's dtype {weight.dtype}, got {x.dtype}"
+            )
+        if x.device != weight.device:
+            raise ValueError(
+                f"x must be on the layer's device {weight.device}, got "
+                f"{x.device}"
+            )
         B, T, _ = x.shape
         if cache is not None:
             cache.check_update(
@@ -248,13 +294,66 @@ class GroupedQueryAttention(nn.Module):
             _check_attn_mask(attn_mask, B, self.num_heads, T, cache)
 
 
-def _cached_so_far(cache: Cache) -> int | Tensor:
-    """How many positions the cache held before this step: an int, or under
-    ``torch.compile`` a 0-dim tensor (a count the compiler would guard as a
-    constant, and compile again for every step, must stay in a tensor)."""
-    if torch.compiler.is_compiling() and isinstance(cache.length, Tensor):
-        return cache.length.clone()  # update() counts on in place
-    return len(cache)
+def _layer_window(
+    windows: tuple[int | None, ...], window: int | None, layer: int | None
+) -> int | None:
+    """The window of layer ``layer`` (``layer_types``), or the one window
+    of every layer."""
+    if layer is None:
+        if len(set(windows)) > 1:
+            raise ValueError(
+                "layer_idx must be given: the layers' windows differ "
+                f"(layer_types), got windows {sorted(set(windows), key=str)}"
+            )
+        return windows[0] if windows else window
+    check_int("layer_idx", layer, minimum=0)
+    if not windows:
+        return window
+    if layer >= len(windows):
+        raise ValueError(
+            f"layer_idx must be < num_hidden_layers = {len(windows)}, "
+            f"got {layer}"
+        )
+    return windows[layer]
+
+
+def _window_and_sinks(
+    keep: Tensor | None,
+    causal: bool,
+    start: int | Tensor,
+    q: Tensor,
+    k: Tensor,
+    layer: GroupedQueryAttention,
+    cache: Cache | None,
+) -> Tensor:
+    """The mask with the layer's window, and with a last column for its
+    sinks: then a float mask, 0 or -inf, the sink's logit in that column
+    (the sink's key and value are zeros), (B or 1, H, T, T_k + 1).
+
+    Slot j of the keys is position j (every cache that remembers all; a
+    cache that forgets, :class:`mha.RollingKVCache`, keeps the window
+    itself, and its keys are not in position order)."""
+    t_q, t_k = q.shape[2], k.shape[2]
+    if keep is None:  # SDPA's flags: causal with T_q = T_k, or everything
+        keep = causal_mask(t_q, t_k, device=q.device) if causal else None
+        if keep is None:
+            keep = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device)
+    forgets = cache is not None and len(cache) < cache.seen
+    if layer.window is not None and not forgets:
+        slots = torch.arange(t_k, device=q.device)  # (T_k,): positions
+        query_slots = start + torch.arange(t_q, device=q.device)  # (T_q,)
+        keep = keep & (slots[None, :] > query_slots[:, None] - layer.window)
+    if layer.sinks is None:
+        return keep
+    keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
+    bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
+    bias = bias.masked_fill(~keep, -math.inf)  # (B or 1, H or 1, T, T_k)
+    bias = bias.expand(keep.shape[0], q.shape[1], t_q, t_k)
+    sink = layer.sinks.to(q.dtype).view(1, -1, 1, 1)  # (1, H, 1, 1)
+    return torch.cat((bias, sink.expand(bias.shape[0], -1, t_q, 1)), -1)
+
+
+_cached_so_far = cached_so_far  # the count before a step (mha.caches)
 
 
 def _mask(
@@ -289,14 +388,6 @@ def _mask(
     else:
         keep = (slots < start + t_q)[None, :].expand(t_q, t_k)
     return (keep if attn_mask is None else attn_mask & keep), False
-
-
-def _grouped(keep: Tensor, num_kv_heads: int, group: int) -> Tensor:
-    """A mask broadcastable to (B, H, T_q, T_k) -> (B or 1, H_kv, G, ...)."""
-    keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
-    if keep.shape[1] == 1:  # the same for every head
-        return keep.unsqueeze(2)  # (B or 1, 1, 1, T_q or 1, T_k)
-    return keep.unflatten(1, (num_kv_heads, group))  # (., H_kv, G, ., T_k)
 
 
 def _check_layer_positions(
@@ -359,429 +450,6 @@ def _value_range(positions: Tensor) -> str:
     if positions.numel() == 0:
         return "no positions"
     return f"values {int(positions.min())} .. {int(positions.max())}"
-
-
-def _config_fields(config: object) -> dict:
-    """The fields of a ``LlamaConfig`` (or an object or dict alike) that the
-    attention layer needs, checked; ``rope`` a :class:`mha.Rope`."""
-    get = (
-        config.get
-        if isinstance(config, Mapping)
-        else lambda name, default=None: getattr(config, name, default)
-    )
-    fields = {}
-    for name in ("hidden_size", "num_attention_heads"):
-        if get(name) is None:
-            raise ValueError(f"config must give {name}, got none")
-        fields[name] = check_int(name, get(name))
-    heads = fields["num_attention_heads"]
-    fields["num_key_value_heads"] = check_int(
-        "num_key_value_heads", get("num_key_value_heads") or heads
-    )
-    head_dim = get("head_dim")
-    if head_dim is not None and head_dim * heads != fields["hidden_size"]:
-        raise ValueError(
-            "head_dim must be hidden_size / num_attention_heads = "
-            f"{fields['hidden_size']} / {heads} for this layer, got "
-            f"{head_dim}"
-        )
-    fields["attention_bias"] = bool(get("attention_bias", False))
-    fields["attention_dropout"] = float(get("attention_dropout", 0.0) or 0.0)
-    # transformers 5 writes rope_parameters; transformers 4 and checkpoints'
-    # config.json write rope_scaling beside a top-level rope_theta
-    parameters = get("rope_parameters") or get("rope_scaling") or {}
-    parameters = dict(parameters)
-    if "type" in parameters and "rope_type" not in parameters:  # older key
-        parameters["rope_type"] = parameters.pop("type")
-    parameters.setdefault("rope_theta", get("rope_theta") or 10000.0)
-    fields["rope"] = Rope.from_parameters(
-        parameters, max_position_embeddings=get("max_position_embeddings")
-    )
-    return fields
-
-
-# ---------------------------------------------------------------------------
-# Key/value caches
-
-
-class KVCache:
-    """Keys and values of the tokens so far, preallocated and written in place.
-
-    ``keys`` and ``values`` are (B, H_kv, max_len, d_k) tensors, allocated
-    once; :meth:`update` writes the new tokens' keys and values into the next
-    free positions and returns views of everything written so far. The cost
-    of a step does not depend on how much was cached before (gpt-fast's
-    ``KVCache``). The count of written positions is a tensor, ``length``,
-    so that ``torch.compile`` compiles one step for every length.
-    """
-
-    def __init__(
-        self,
-        batch: int,
-        max_len: int,
-        num_kv_heads: int,
-        head_dim: int,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> None:
-        _check_cache_args(batch, num_kv_heads, head_dim, dtype)
-        self.max_len = check_int("max_len", max_len)
-        self.batch, self.num_kv_heads, self.head_dim = (
-            batch,
-            num_kv_heads,
-            head_dim,
-        )
-        shape = (batch, num_kv_heads, max_len, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.dtype, self.device = dtype, self.keys.device
-        self.length = torch.zeros((), dtype=torch.int64, device=self.device)
-
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v (B, H_kv, T, d_k) after the cached ones; return all.
-
-        Compiled, the whole (B, H_kv, max_len, d_k) tensors come back (a
-        shape that does not change from step to step); the layer masks the
-        positions not yet written.
-        """
-        self.check_update(*_update_shape(k, v), k.dtype, k.device, v=v)
-        slots = self.length + torch.arange(k.shape[2], device=self.device)
-        self.keys.index_copy_(2, slots, k)  # in place: nothing copied again
-        self.values.index_copy_(2, slots, v)
-        self.length += k.shape[2]
-        if torch.compiler.is_compiling():
-            return self.keys, self.values
-        end = len(self)
-        return self.keys[:, :, :end], self.values[:, :, :end]
-
-    def __len__(self) -> int:
-        return int(self.length)
-
-    def reset(self) -> None:
-        """Forget every cached token (the memory stays allocated)."""
-        self.length.zero_()
-
-    def truncate(self, length: int) -> None:
-        """Keep the first ``length`` cached tokens and forget the rest."""
-        self.length.fill_(_check_truncate(length, len(self)))
-
-    def check_update(
-        self,
-        batch: int,
-        num_kv_heads: int,
-        new_tokens: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        *,
-        v: Tensor | None = None,
-    ) -> None:
-        """Raise ValueError/TypeError if such an update cannot be written."""
-        _check_dtype_device(self, dtype, device, v)
-        _check_update(self, batch, num_kv_heads, new_tokens, head_dim)
-
-
-class ConcatKVCache:
-    """Keys and values of the tokens so far, grown by concatenation.
-
-    Every :meth:`update` builds new (B, H_kv, T_k, d_k) tensors from the old
-    ones and the new tokens' (``torch.cat``): step t copies all t cached
-    positions again. Same interface as :class:`KVCache`; ``max_len`` is
-    optional.
-    """
-
-    def __init__(
-        self,
-        batch: int,
-        num_kv_heads: int,
-        head_dim: int,
-        *,
-        max_len: int | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> None:
-        _check_cache_args(batch, num_kv_heads, head_dim, dtype)
-        self.max_len = (
-            None if max_len is None else check_int("max_len", max_len)
-        )
-        self.batch, self.num_kv_heads, self.head_dim = (
-            batch,
-            num_kv_heads,
-            head_dim,
-        )
-        empty = (batch, num_kv_heads, 0, head_dim)
-        self.keys = torch.zeros(empty, dtype=dtype, device=device)
-        self.values = torch.zeros(empty, dtype=dtype, device=device)
-        self.dtype, self.device = dtype, self.keys.device
-
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append k, v (B, H_kv, T, d_k) to the cached ones; return all."""
-        self.check_update(*_update_shape(k, v), k.dtype, k.device, v=v)
-        self.keys = torch.cat((self.keys, k), dim=2)  # a new tensor, each step
-        self.values = torch.cat((self.values, v), dim=2)
-        return self.keys, self.values
-
-    @property
-    def length(self) -> int:
-        return self.keys.shape[2]
-
-    def __len__(self) -> int:
-        return self.keys.shape[2]
-
-    def reset(self) -> None:
-        """Forget every cached token."""
-        self.truncate(0)
-
-    def truncate(self, length: int) -> None:
-        """Keep the first ``length`` cached tokens and forget the rest."""
-        length = _check_truncate(length, len(self))
-        self.keys = self.keys[:, :, :length]
-        self.values = self.values[:, :, :length]
-
-    check_update = KVCache.check_update
-
-
-class PagedKVCache:
-    """Keys and values in fixed-size blocks from one pool (vLLM's layout).
-
-    The pool holds ``num_blocks`` blocks of ``block_size`` positions,
-    ``key_blocks`` and ``value_blocks`` (num_blocks + 1, H_kv, block_size,
-    d_k); the last one is a null block that is never handed out. Row ``b``'s
-    position ``p`` lives in block ``block_table[b, p // block_size]`` at
-    offset ``p % block_size``. A block is taken from the pool only when a
-    row's first position in it is written (:meth:`reserve`), and
-    :meth:`free` gives a finished row's blocks back: memory follows the
-    tokens, not ``max_len`` (Kwon et al. 2023). Same ``update`` / ``len`` /
-    ``reset`` / ``truncate`` as :class:`KVCache`; ``update`` gathers each
-    row's blocks into (B, H_kv, T_k, d_k) for the attention (vLLM's kernels
-    read the blocks where they lie).
-    """
-
-    def __init__(
-        self,
-        batch: int,
-        max_len: int,
-        num_kv_heads: int,
-        head_dim: int,
-        *,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        dtype = dtype or torch.get_default_dtype()
-        _check_cache_args(batch, num_kv_heads, head_dim, dtype)
-        self.max_len = check_int("max_len", max_len)
-        self.block_size = check_int("block_size", block_size)
-        self.blocks_per_row = -(-max_len // block_size)  # ceil
-        if num_blocks is None:  # enough for every row at max_len
-            num_blocks = batch * self.blocks_per_row
-        self.num_blocks = check_int("num_blocks", num_blocks)
-        self.batch, self.num_kv_heads, self.head_dim = (
-            batch,
-            num_kv_heads,
-            head_dim,
-        )
-        shape = (num_blocks + 1, num_kv_heads, block_size, head_dim)
-        self.key_blocks = torch.zeros(shape, dtype=dtype, device=device)
-        self.value_blocks = torch.zeros(shape, dtype=dtype, device=device)
-        self.dtype, self.device = dtype, self.key_blocks.device
-        self.null_block = num_blocks  # where a row without a block points
-        self.block_table = torch.full(
-            (batch, self.blocks_per_row), num_blocks, device=self.device
-        )  # (B, blocks per row)
-        self.length = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.reset()
-
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v (B, H_kv, T, d_k) into the rows' blocks; return all.
-
-        Eagerly the blocks are reserved here; a compiled step needs
-        :meth:`reserve` called before it (vLLM's scheduler, too, hands out
-        blocks before the model runs). Compiled, every row's ``max_len``
-        positions come back; the layer masks those not yet written.
-        """
-        self.check_update(*_update_shape(k, v), k.dtype, k.device, v=v)
-        T = k.shape[2]
-        if not torch.compiler.is_compiling():
-            self.reserve(T)
-        slots = self.length + torch.arange(T, device=self.device)  # (T,)
-        blocks = self.block_table[:, slots // self.block_size]  # (B, T)
-        offsets = slots % self.block_size  # (T,)
-        if torch.compiler.is_compiling():  # no write into the null block
-            torch._assert_async(  # (a finished row's may go there)
-                ((blocks != self.null_block) | ~self.active[:, None]).all(),
-                "PagedKVCache: reserve() the blocks before a compiled step",
-            )
-        # blocks[b, t], offsets[t] <- k[b, :, t]: (B, T, H_kv, d_k)
-        self.key_blocks[blocks, :, offsets] = k.transpose(1, 2)
-        self.value_blocks[blocks, :, offsets] = v.transpose(1, 2)
-        self.length += T
-        end = self.max_len if torch.compiler.is_compiling() else len(self)
-        used = self.block_table[:, : -(-end // self.block_size)]
-        return self._gather(self.key_blocks, used, end), self._gather(
-            self.value_blocks, used, end
-        )
-
-    def _gather(self, pool: Tensor, table: Tensor, end: int) -> Tensor:
-        """Each row's blocks, in order: (B, H_kv, end, d_k)."""
-        rows = pool[table]  # (B, n, H_kv, block_size, d_k)
-        rows = rows.transpose(1, 2).flatten(2, 3)  # (B, H_kv, n bs, d_k)
-        return rows[:, :, :end]
-
-    def reserve(self, new_tokens: int) -> None:
-        """Take from the pool the blocks that the next ``new_tokens``
-        positions of every active row need; nothing if the pool is short."""
-        first = -(-len(self) // self.block_size)  # blocks held per row
-        last = -(-(len(self) + new_tokens) // self.block_size)
-        rows = [b for b, on in enumerate(self.active.tolist()) if on]
-        needed = (last - first) * len(rows)
-        if needed > len(self._free):
-            raise ValueError(
-                f"the pool has {len(self._free)} free blocks of "
-                f"{self.block_size} positions; {new_tokens} new tokens for "
-                f"{len(rows)} rows need {needed}"
-            )
-        for b in rows:
-            for i in range(first, last):
-                self.block_table[b, i] = self._free.pop()
-
-    def free(self, row: int) -> None:
-        """Give row ``row``'s blocks back to the pool: its sequence is done.
-        Later writes of that row go to the null block, and its keys and
-        values read from there are meaningless."""
-        check_int("row", row, minimum=0)
-        if row >= self.batch:
-            raise ValueError(f"row must be < batch = {self.batch}, got {row}")
-        self._release(row, 0)
-        self.active[row] = False
-
-    @property
-    def blocks_in_use(self) -> int:
-        """Blocks taken from the pool and not given back."""
-        return self.num_blocks - len(self._free)
-
-    def __len__(self) -> int:
-        return int(self.length)
-
-    def reset(self) -> None:
-        """Forget every cached token; every block goes back to the pool."""
-        self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack
-        self.block_table.fill_(self.null_block)
-        self.active = torch.ones(
-            self.batch, dtype=torch.bool, device=self.device
-        )
-        self.length.zero_()
-
-    def truncate(self, length: int) -> None:
-        """Keep the first ``length`` cached tokens and forget the rest; the
-        blocks past them go back to the pool."""
-        length = _check_truncate(length, len(self))
-        keep = -(-length // self.block_size)
-        for b in range(self.batch):
-            self._release(b, keep)
-        self.length.fill_(length)
-
-    def _release(self, row: int, keep: int) -> None:
-        """Row ``row``'s blocks from index ``keep`` on, back to the pool."""
-        for i in range(keep, self.blocks_per_row):
-            block = int(self.block_table[row, i])
-            if block != self.null_block:
-                self._free.append(block)
-                self.block_table[row, i] = self.null_block
-
-    check_update = KVCache.check_update
-
-
-Cache = KVCache | ConcatKVCache | PagedKVCache
-
-
-def _check_cache_args(
-    batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> None:
-    check_int("batch", batch)
-    check_int("num_kv_heads", num_kv_heads)
-    check_int("head_dim", head_dim)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-
-
-def _update_shape(k: Tensor, v: Tensor) -> tuple[int, int, int, int]:
-    """(B, H_kv, T, d_k) of the new keys, after checking k and v."""
-    for name, t in (("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(
-                f"{name} must be a torch.Tensor, got {type(t).__name__}"
-            )
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must have shape (B, H_kv, T, d_k), got shape "
-                f"{tuple(t.shape)}"
-            )
-    if k.shape != v.shape:
-        raise ValueError(
-            "k and v must have the same shape (B, H_kv, T, d_k), got "
-            f"{tuple(k.shape)} and {tuple(v.shape)}"
-        )
-    return tuple(k.shape)
-
-
-def _check_update(
-    cache: Cache,
-    batch: int,
-    num_kv_heads: int,
-    new_tokens: int,
-    head_dim: int,
-) -> None:
-    expected = (cache.batch, cache.num_kv_heads, cache.head_dim)
-    if (batch, num_kv_heads, head_dim) != expected:
-        raise ValueError(
-            "the new keys and values must have (B, H_kv, d_k) = "
-            f"{expected}, the cache's, got {(batch, num_kv_heads, head_dim)}"
-        )
-    if torch.compiler.is_compiling():  # len() would read a tensor's value
-        if cache.max_len is not None and isinstance(cache.length, Tensor):
-            torch._assert_async(
-                cache.length + new_tokens <= cache.max_len,
-                f"the cache has room for max_len = {cache.max_len} tokens",
-            )
-        return
-    if cache.max_len is not None and len(cache) + new_tokens > cache.max_len:
-        raise ValueError(
-            f"the cache has room for max_len = {cache.max_len} tokens and "
-            f"holds {len(cache)}: {new_tokens} new tokens do not fit"
-        )
-
-
-def _check_dtype_device(
-    cache: Cache,
-    dtype: torch.dtype,
-    device: torch.device,
-    v: Tensor | None,
-) -> None:
-    if dtype != cache.dtype or (v is not None and v.dtype != cache.dtype):
-        got = dtype if v is None or v.dtype == dtype else (dtype, v.dtype)
-        raise TypeError(
-            f"the new keys and values must have the cache's dtype "
-            f"{cache.dtype}, got {got}"
-        )
-    if torch.device(device) != cache.device or (
-        v is not None and v.device != cache.device
-    ):
-        raise ValueError(
-            f"the new keys and values must be on the cache's device "
-            f"{cache.device}, got {device}"
-        )
-
-
-def _check_truncate(length: int, current: int) -> int:
-    length = check_int("length", length, minimum=0)
-    if length > current:
-        raise ValueError(
-            f"length must be at most len(cache) = {current}, got {length}"
-        )
-    return length
 
 
 # ---------------------------------------------------------------------------

@@ -31,6 +31,10 @@ prompt); it equals the top-left mask of ``F.scaled_dot_product_attention``'s
 queries see no key at all: their output is zero and their logsumexp
 ``-inf``.
 
+Learned attention sinks (gpt-oss): ``sinks``, one logit per head, is one
+more term in every row's softmax that brings no value; the online softmax
+starts from it (``m = sink``, ``ell = 1``, ``acc = 0``).
+
 Keys and values may have fewer heads than the queries (grouped-query and
 multi-query attention): with ``H`` query heads and ``H_kv`` key/value heads,
 ``H_kv`` dividing ``H``, query head ``h`` reads key/value head
@@ -49,7 +53,13 @@ import torch
 from numpy.typing import ArrayLike, NDArray
 from torch import Tensor
 
-from ._validate import check_int, check_same, check_scale, check_tensor
+from ._validate import (
+    check_int,
+    check_key_start,
+    check_same,
+    check_scale,
+    check_tensor,
+)
 from .reference import check_attention_inputs
 
 __all__ = [
@@ -113,6 +123,13 @@ def ungroup_heads(x, grouped: bool):
     return x.reshape(tuple(x.shape[:-4]) + (-1,) + tuple(x.shape[-2:]))
 
 
+def sink_rows(sinks, q, grouped: bool):
+    """(H,) sink logits shaped as the grouped queries' rows: (H_kv, G, 1),
+    or (H, 1, 1), to broadcast over (..., H_kv, G, T_q)."""
+    kv_heads = q.shape[-4] if grouped else None
+    return group_queries(sinks.reshape(-1, 1, 1), kv_heads)[..., 0]
+
+
 def key_blocks(
     rows: slice, t_q: int, t_k: int, block_k: int, causal: bool
 ) -> Iterator[slice]:
@@ -138,17 +155,24 @@ def causal_keep(rows: slice, cols: slice, offset: int) -> NDArray[np.bool_]:
     return key <= query + offset
 
 
-def online_softmax(q_tile, k, v, rows, key_tiles, offset, causal, scale):
+def online_softmax(
+    q_tile, k, v, rows, key_tiles, offset, causal, scale, sink=None
+):
     """Stream key tiles past one query tile; their summaries ``(m, ell, acc)``.
 
     ``m`` is each query's running maximum, ``ell`` its sum of ``exp(score -
     m)`` and ``acc`` its sum of those exponentials times the values: after
     the last tile, ``acc / ell`` is the output and ``m + log(ell)`` the
     logsumexp. A query whose scores are all masked keeps ``m = -inf`` and
-    ``ell = 0``.
+    ``ell = 0``. A learned ``sink`` logit (broadcastable to the rows) is one
+    more term in ``ell`` with no value: the sums start at ``m = sink``,
+    ``ell = exp(sink - m) = 1``, ``acc = 0``.
     """
     m = np.full(q_tile.shape[:-1], -np.inf, dtype=q_tile.dtype)  # (..., B_q)
     ell = np.zeros_like(m)  # running sum of exp(score - m)
+    if sink is not None:  # the sink's column, before any key
+        m = np.broadcast_to(sink, m.shape).astype(m.dtype)  # (..., B_q)
+        ell = np.ones_like(m)  # exp(sink - m), and no value in acc
     acc = np.zeros(q_tile.shape[:-1] + v.shape[-1:], dtype=q_tile.dtype)
     for cols in key_tiles:
         k_tile, v_tile = k[..., cols, :], v[..., cols, :]  # (..., B_k, d)
@@ -188,6 +212,7 @@ def flash_attention(
     block_q: int = DEFAULT_BLOCK,
     block_k: int = DEFAULT_BLOCK,
     scale: float | None = None,
+    sinks: ArrayLike | None = None,
 ) -> tuple[Array, Array]:
     """softmax(q k^T * scale) v, one (block_q, block_k) tile at a time.
 
@@ -198,13 +223,21 @@ def flash_attention(
         causal: bottom-right aligned: query i sees keys 0..i + T_k - T_q.
         block_q, block_k: queries and keys per tile; T need not be a multiple.
         scale: default ``1 / sqrt(d_k)``.
+        sinks: (H,) learned sink logits (gpt-oss), one more term in each
+            row's softmax that carries no value; None for none.
 
     Returns:
         ``(out, logsumexp)``: (..., H, T_q, d_v) and (..., H, T_q), where
         ``logsumexp[i] = log(sum_j exp(scores[i, j]))`` over the keys i sees
-        (``-inf``, with a zero output row, where it sees none).
+        (``-inf``, with a zero output row, where it sees none), the sink's
+        ``exp(s_h)`` included in the sum.
     """
+    q_shape = np.shape(q)
     q, k, v, scale, grouped = _check_numpy(q, k, v, scale)
+    sink = None
+    if sinks is not None:
+        sinks = _check_sinks(sinks, q_shape, q.dtype)
+        sink = sink_rows(sinks, q, grouped)  # (H_kv, G, 1) or (H, 1, 1)
     _check_blocks(block_q=block_q, block_k=block_k)
     t_q, t_k, d_v = q.shape[-2], k.shape[-2], v.shape[-1]
     out = np.empty(q.shape[:-1] + (d_v,), dtype=q.dtype)  # (..., T_q, d_v)
@@ -213,7 +246,15 @@ def flash_attention(
         rows = slice(q_start, min(q_start + block_q, t_q))
         key_tiles = key_blocks(rows, t_q, t_k, block_k, causal)
         summaries = online_softmax(
-            q[..., rows, :], k, v, rows, key_tiles, t_k - t_q, causal, scale
+            q[..., rows, :],
+            k,
+            v,
+            rows,
+            key_tiles,
+            t_k - t_q,
+            causal,
+            scale,
+            sink,
         )
         out[..., rows, :], logsumexp[..., rows] = finish(*summaries)
     return ungroup_heads(out, grouped), ungroup_heads(
@@ -423,10 +464,14 @@ def _tiled_forward(
     block_q: int,
     block_k: int,
     scale: float,
+    key_start: Tensor | None = None,
+    sink: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`flash_attention` in torch; running sums in float32 or wider.
 
-    q (..., G, T_q, d_k), k and v (..., 1, T_k, d): grouped heads.
+    q (..., G, T_q, d_k), k and v (..., 1, T_k, d): grouped heads;
+    ``key_start`` (B,) int32 or None, B the first axis; ``sink`` the sink
+    logits shaped by :func:`sink_rows`, or None.
     """
     t_q, t_k = q.shape[-2], k.shape[-2]
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
@@ -441,27 +486,47 @@ def _tiled_forward(
             q_tile.shape[:-1], -math.inf, dtype=acc_dtype, device=q.device
         )  # (..., B_q)
         ell = torch.zeros_like(m)
+        if sink is not None:  # the sink's column, before any key
+            m = torch.maximum(m, sink.to(acc_dtype))  # (..., B_q): the sink
+            ell = torch.ones_like(m)  # exp(sink - m), and no value in acc
         acc = torch.zeros(
             q_tile.shape[:-1] + v.shape[-1:], dtype=acc_dtype, device=q.device
         )  # (..., B_q, d_v)
         for cols in key_blocks(rows, t_q, t_k, block_k, causal):
-            scores = (q_tile @ k[..., cols, :].transpose(-1, -2)).to(acc_dtype)
+            k_tile, v_tile = k[..., cols, :], v[..., cols, :]
+            if key_start is not None:  # padding: hidden, and zeros
+                visible = _visible_keys(key_start, cols, q.ndim)
+                k_tile = k_tile.where(visible, 0.0)
+                v_tile = v_tile.where(visible, 0.0)
+            scores = (q_tile @ k_tile.transpose(-1, -2)).to(acc_dtype)
             scores = scores * scale  # (..., B_q, B_k)
             if causal:
                 keep = _causal_keep_torch(rows, cols, t_k - t_q, q.device)
                 scores = scores.masked_fill(~keep, -math.inf)
+            if key_start is not None:  # (B, 1, .., 1, B_k) over the scores
+                scores = scores.masked_fill(~visible.mT, -math.inf)
             m_new = torch.maximum(m, scores.amax(dim=-1))
             m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)
             rescale = torch.exp(m - m_safe)
             p = torch.exp(scores - m_safe[..., None])  # (..., B_q, B_k)
             ell = rescale * ell + p.sum(dim=-1)
-            pv = p.to(v.dtype) @ v[..., cols, :]  # (..., B_q, d_v)
+            pv = p.to(v.dtype) @ v_tile  # (..., B_q, d_v)
             acc = rescale[..., None] * acc + pv.to(acc_dtype)
             m = m_new
-        seen = ell > 0  # False: the query saw no key (T_q > T_k, causal)
+        seen = ell > 0  # False: the query saw no key (causal, or padding)
         out[..., rows, :] = (acc / ell.where(seen, 1.0)[..., None]).to(q.dtype)
         logsumexp[..., rows] = (m + torch.log(ell)).where(seen, -math.inf)
     return out, logsumexp
+
+
+def _visible_keys(key_start: Tensor, cols: slice, ndim: int) -> Tensor:
+    """(B, 1, ..., 1, B_k, 1) booleans: the keys ``cols`` that each row's
+    queries may see (at or after its ``key_start``); ``ndim`` axes, as a
+    key tile (B, H_kv, 1, B_k, d) has."""
+    key = torch.arange(cols.start, cols.stop, device=key_start.device)
+    visible = key[None, :] >= key_start[:, None]  # (B, B_k)
+    shape = (visible.shape[0],) + (1,) * (ndim - 3) + (visible.shape[1], 1)
+    return visible.reshape(shape)
 
 
 def _causal_keep_torch(
@@ -485,6 +550,7 @@ def _tiled_backward(
     block_q: int,
     block_k: int,
     scale: float,
+    key_start: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`flash_attention_backward` in torch, and the logsumexp's gradient.
 
@@ -506,11 +572,17 @@ def _tiled_backward(
         q_tile, do_tile = q[..., rows, :], d_out[..., rows, :]
         for cols in key_blocks(rows, t_q, t_k, block_k, causal):
             k_tile, v_tile = k[..., cols, :], v[..., cols, :]
+            if key_start is not None:  # padding: zeros, and no weight
+                visible = _visible_keys(key_start, cols, q.ndim)
+                k_tile = k_tile.where(visible, 0.0)
+                v_tile = v_tile.where(visible, 0.0)
             scores = (q_tile @ k_tile.transpose(-1, -2)).to(acc_dtype) * scale
             p = torch.exp(scores - logsumexp[..., rows, None])  # recomputed
             if causal:
                 keep = _causal_keep_torch(rows, cols, t_k - t_q, q.device)
                 p = p.masked_fill(~keep, 0.0)
+            if key_start is not None:
+                p = p.masked_fill(~visible.mT, 0.0)
             dv_tile = p.transpose(-1, -2) @ do_tile.to(acc_dtype)
             dv[..., cols, :] += dv_tile.sum(dim=-3, keepdim=True)
             dp = (do_tile @ v_tile.transpose(-1, -2)).to(acc_dtype)
@@ -529,22 +601,30 @@ class FlashAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, block_q, block_k, scale):
+    def forward(
+        ctx, q, k, v, causal, block_q, block_k, scale, key_start, sinks=None
+    ):
         *grouped_qkv, grouped = group_heads(q, k, v)
+        sink = None
+        if sinks is not None:
+            sink = sink_rows(sinks, grouped_qkv[0], grouped)
         out, logsumexp = _tiled_forward(
-            *grouped_qkv, causal, block_q, block_k, scale
+            *grouped_qkv, causal, block_q, block_k, scale, key_start, sink
         )
         out = ungroup_heads(out, grouped)  # (..., H, T_q, d_v)
         logsumexp = ungroup_heads(logsumexp[..., None], grouped)[..., 0]
-        ctx.save_for_backward(q, k, v, out, logsumexp)
-        ctx.settings = (causal, block_q, block_k, scale)
+        ctx.save_for_backward(q, k, v, out, logsumexp, sinks)
+        ctx.settings = (causal, block_q, block_k, scale, key_start)
         return out, logsumexp
 
     @staticmethod
     def backward(ctx, d_out, d_logsumexp):
-        q, k, v, out, logsumexp = ctx.saved_tensors
+        q, k, v, out, logsumexp, sinks = ctx.saved_tensors
         if d_out is None:
             d_out = torch.zeros_like(out)
+        d_sinks = None
+        if sinks is not None and ctx.needs_input_grad[8]:
+            d_sinks = _sink_gradient(sinks, out, logsumexp, d_out, d_logsumexp)
         q, k, v, grouped = group_heads(q, k, v)
         h_kv = k.shape[-4] if grouped else None
         out, d_out = group_queries(out, h_kv), group_queries(d_out, h_kv)
@@ -555,7 +635,29 @@ class FlashAttention(torch.autograd.Function):
             q, k, v, out, logsumexp, d_out, d_logsumexp, *ctx.settings
         )
         grads = ungroup_heads(dq, grouped), dk[..., 0, :, :], dv[..., 0, :, :]
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None, d_sinks)
+
+
+def _sink_gradient(
+    sinks: Tensor,
+    out: Tensor,
+    logsumexp: Tensor,
+    d_out: Tensor,
+    d_logsumexp: Tensor | None,
+) -> Tensor:
+    """d loss / d s_h: the sink's column has weight ``p = exp(s_h -
+    logsumexp)`` and no value, so its score gradient is ``p (0 - delta)``
+    with ``delta = sum(d_out * out)`` per row (minus the logsumexp's own
+    gradient), summed over every row of head h. out (..., H, T_q, d_v)."""
+    acc_dtype = logsumexp.dtype
+    delta = (d_out.to(acc_dtype) * out.to(acc_dtype)).sum(
+        dim=-1
+    )  # (.., H, T_q)
+    if d_logsumexp is not None:
+        delta = delta - d_logsumexp.to(acc_dtype).nan_to_num(0.0)
+    p_sink = torch.exp(sinks.to(acc_dtype)[:, None] - logsumexp)
+    d_sink = -(p_sink * delta)  # (..., H, T_q)
+    return d_sink.flatten(0, -3).sum(dim=(0, 2)).to(sinks.dtype)  # (H,)
 
 
 def flash_attention_torch(
@@ -567,6 +669,8 @@ def flash_attention_torch(
     block_q: int = DEFAULT_BLOCK,
     block_k: int = DEFAULT_BLOCK,
     scale: float | None = None,
+    key_start: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`flash_attention` for torch tensors, differentiable.
 
@@ -578,13 +682,30 @@ def flash_attention_torch(
             other leading axes.
         causal, block_q, block_k, scale: as in :func:`flash_attention`
             (``causal`` bottom-right aligned).
+        key_start: None, or (B,) integers on q's device for q of shape (B,
+            H, T_q, d_k): row b's keys 0..key_start[b] - 1 are padding (a
+            left-padded batch, see
+            :func:`mha.functional.key_start_from_attention_mask`), hidden
+            from its queries and read as zeros; as the Triton kernels'
+            ``key_start``. A query that sees no key gets zeros and a
+            logsumexp of -inf.
+        sinks: (H,) learned sink logits, differentiable, or None: as in
+            :func:`flash_attention` (a query that sees no key then gets
+            zeros and the logsumexp ``s_h``).
 
     Returns:
         ``(out, logsumexp)``: (..., H, T_q, d_v) in the inputs' dtype and
         (..., H, T_q) in float32 (float64 for float64 inputs).
     """
     scale = _check_torch(q, k, v, block_q, block_k, scale)
-    return FlashAttention.apply(q, k, v, bool(causal), block_q, block_k, scale)
+    key_start = check_key_start(key_start, q)
+    if sinks is not None:
+        check_tensor("sinks", sinks)
+        _check_sinks(sinks, tuple(q.shape), None)
+        check_same("q and sinks", (q, sinks))
+    return FlashAttention.apply(
+        q, k, v, bool(causal), block_q, block_k, scale, key_start, sinks
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -642,6 +763,31 @@ def _check_numpy(q, k, v, scale):
         for t in (q, k, v)
     )
     return q, k, v, scale, grouped
+
+
+def _check_sinks(sinks, q_shape: tuple, dtype):
+    """(H,) finite logits, H the heads of q (..., H, T_q, d_k); as an array
+    of ``dtype``, or the tensor itself."""
+    if len(q_shape) < 3:
+        raise ValueError(
+            "sinks need a head axis: q must have shape (..., H, T_q, d_k), "
+            f"got shape {tuple(q_shape)}"
+        )
+    is_tensor = isinstance(sinks, Tensor)
+    array = sinks if is_tensor else np.asarray(sinks)
+    if tuple(array.shape) != (q_shape[-3],):
+        raise ValueError(
+            f"sinks must have shape (H,) = ({q_shape[-3]},), one logit per "
+            f"query head, got shape {tuple(array.shape)}"
+        )
+    if is_tensor:
+        finite = bool(torch.isfinite(array).all())
+    else:
+        array = array.astype(dtype)
+        finite = bool(np.isfinite(array).all())
+    if not finite:
+        raise ValueError("sinks must be finite logits, got inf or NaN")
+    return array
 
 
 def _check_saved(q, v, grouped, out, logsumexp, d_out):

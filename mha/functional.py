@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._validate import check_choice, check_int
+from ._validate import check_choice, check_int, check_tensor
 
 __all__ = [
     "split_heads",
@@ -40,6 +40,7 @@ __all__ = [
     "ReferenceWeights",
     "reference_weights",
     "grouped_query_state_dict",
+    "key_start_from_attention_mask",
 ]
 
 
@@ -237,3 +238,40 @@ def grouped_query_state_dict(layer: nn.Module) -> dict[str, Tensor]:
             }
         )
     return {name: t.detach().clone() for name, t in state.items()}
+
+
+def key_start_from_attention_mask(attention_mask: Tensor) -> Tensor:
+    """A left-padded batch's ``attention_mask`` as one key start per row.
+
+    ``attention_mask`` (B, T_k) holds 1 (or True) for a real token and 0 for
+    padding, as transformers takes it; left-padded, each row is zeros then
+    ones. Returns (B,) int32: the number of zeros of each row, the first key
+    the row's queries may see (``key_start`` of
+    :func:`mha.flash.flash_attention_torch` and of the Triton kernels).
+    Reads the mask on the host (once per prompt).
+
+    Raises:
+        ValueError: a value other than 0 and 1, or a row that is not
+            left-padded (a 0 after a 1: right padding, or a hole).
+    """
+    check_tensor(
+        "attention_mask", attention_mask, kind=None, ndim=2, shape="(B, T_k)"
+    )
+    mask = attention_mask
+    if mask.dtype != torch.bool:
+        bad = (mask != 0) & (mask != 1)
+        if bad.any():
+            raise ValueError(
+                "attention_mask must hold only 0 and 1, got "
+                f"{mask[bad][0].item()}"
+            )
+        mask = mask != 0
+    ones = mask.to(torch.int32)  # (B, T_k)
+    drops = ones[:, 1:] < ones[:, :-1]  # (B, T_k - 1): a 1, then a 0
+    if drops.any():
+        row, position = (int(i) for i in drops.nonzero()[0])
+        raise ValueError(
+            "attention_mask must be left-padded (zeros, then ones, in every "
+            f"row), got a 0 after a 1 in row {row} at position {position + 1}"
+        )
+    return (mask.shape[1] - ones.sum(dim=1)).to(torch.int32)  # (B,)

@@ -18,7 +18,7 @@ Conventions (see the notation appendix):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -48,6 +48,8 @@ __all__ = [
     "alibi_bias",
     "softcap",
     "attention_with_score_mod",
+    "attention_with_sinks",
+    "multi_head_latent_attention",
 ]
 
 Array = NDArray[np.floating]
@@ -398,6 +400,158 @@ def attention_with_score_mod(
     return weights @ v, weights  # (..., T_q, d_v), (..., T_q, T_k)
 
 
+def attention_with_sinks(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    sinks: ArrayLike,
+    mask: ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+) -> tuple[Array, Array]:
+    """Attention with a learned sink per head (gpt-oss): one more logit in
+    every row's softmax, which takes weight and gives no value.
+
+    q (..., H, T_q, d_k), k (..., H, T_k, d_k), v (..., H, T_k, d_v);
+    ``sinks`` (H,): head h's sink logit ``s_h``. The weights are
+    ``exp(score_ij) / (exp(s_h) + sum_j exp(score_ij))``: they sum to less
+    than 1, and what is missing went to the sink. A row whose keys are all
+    masked gives zeros. Returns ``(output, weights)``, (..., H, T_q, d_v)
+    and (..., H, T_q, T_k) (the sink's column dropped).
+    """
+    q, k, v, mask = check_attention_inputs(q, k, v, mask)
+    sinks = _check_sinks(sinks, q.shape)
+    if scale is None:
+        scale = 1.0 / np.sqrt(q.shape[-1])
+    scores = (q @ np.swapaxes(k, -1, -2)) * scale  # (..., H, T_q, T_k)
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)
+    sink_column = np.broadcast_to(
+        sinks[:, None, None], scores.shape[:-1] + (1,)
+    )  # (..., H, T_q, 1)
+    weights = softmax(np.concatenate((scores, sink_column), -1), axis=-1)
+    weights = weights[..., :-1]  # the sink's share is dropped: no value
+    return weights @ v, weights  # (..., H, T_q, d_v), (..., H, T_q, T_k)
+
+
+# -----------------------------------------------------------------------------
+# Multi-head latent attention (DeepSeek-V2/V3): the twin of mha.latent.
+
+
+def multi_head_latent_attention(
+    x: ArrayLike,
+    weights: Mapping[str, ArrayLike],
+    *,
+    num_heads: int,
+    qk_nope_head_dim: int,
+    qk_rope_head_dim: int,
+    v_head_dim: int,
+    frequencies: ArrayLike | None = None,
+    rope_scaling: float = 1.0,
+    interleave: bool = True,
+    scale: float | None = None,
+    eps: float = 1e-6,
+) -> tuple[Array, Array]:
+    """Causal multi-head latent attention over x (T, D) or (B, T, D).
+
+    ``weights`` maps ``transformers``' parameter names to arrays, matrices
+    in this module's layout ``(d_in, d_out)``: ``q_proj.weight``, or
+    ``q_a_proj.weight`` (+ ``.bias``), ``q_a_layernorm.weight`` and
+    ``q_b_proj.weight``; ``kv_a_proj_with_mqa.weight`` (+ ``.bias``),
+    ``kv_a_layernorm.weight``, ``kv_b_proj.weight``, ``o_proj.weight``
+    (+ ``.bias``). The latent ``c`` (r wide) is the first r outputs of
+    ``kv_a_proj_with_mqa``, RMS-normalized; the rest is the shared key
+    ``k_R`` (d_R wide), rotated like every head's ``q_R`` by position ``t``
+    and pair ``i`` through the angle ``t * frequencies[i]`` (default
+    ``10000^(-2i/d_R)``), cos and sin times ``rope_scaling``; pairs are
+    neighbours ``(2i, 2i+1)`` when ``interleave``, else ``(i, i + d_R/2)``.
+    Head h's key is ``[c W_UK_h | k_R]``, its value ``c W_UV_h``. ``scale``
+    defaults to ``1 / sqrt(d_N + d_R)``. Returns ``(output, weights)``,
+    (..., T, D) and (..., H, T, T).
+    """
+    x = _check_inputs("x", x)
+    w = {name: _as_float_array(name, value) for name, value in weights.items()}
+    d_n, d_r = qk_nope_head_dim, qk_rope_head_dim
+    rank = _check_latent_weights(w, num_heads, d_n, d_r, v_head_dim)
+    t = x.shape[-2]
+
+    def linear(name: str, inputs: Array) -> Array:
+        return inputs @ w[f"{name}.weight"] + w.get(f"{name}.bias", 0.0)
+
+    def rms_norm(name: str, inputs: Array) -> Array:
+        mean_square = np.mean(inputs**2, axis=-1, keepdims=True)
+        return inputs / np.sqrt(mean_square + eps) * w[f"{name}.weight"]
+
+    if "q_proj.weight" in w:
+        q = linear("q_proj", x)
+    else:
+        q = linear(
+            "q_b_proj", rms_norm("q_a_layernorm", linear("q_a_proj", x))
+        )
+    q = split_heads(q, num_heads)  # (..., H, T, d_N + d_R)
+    compressed = linear("kv_a_proj_with_mqa", x)  # (..., T, r + d_R)
+    c = rms_norm("kv_a_layernorm", compressed[..., :rank])  # (..., T, r)
+    k_rope = compressed[..., None, :, rank:]  # (..., 1, T, d_R): every head
+
+    if frequencies is None:
+        frequencies = 10000.0 ** (-np.arange(0, d_r, 2) / d_r)
+    angles = np.arange(t)[:, None] * np.asarray(frequencies)  # (T, d_R/2)
+    cos, sin = np.cos(angles) * rope_scaling, np.sin(angles) * rope_scaling
+
+    def rotate(z: Array) -> Array:
+        if interleave:  # pairs (2i, 2i+1), returned first halves first
+            z1, z2 = z[..., 0::2], z[..., 1::2]
+        else:  # pairs (i, i + d_R/2)
+            z1, z2 = z[..., : d_r // 2], z[..., d_r // 2 :]
+        return np.concatenate((z1 * cos - z2 * sin, z2 * cos + z1 * sin), -1)
+
+    kv = split_heads(c @ w["kv_b_proj.weight"], num_heads)  # (.., H, T, .)
+    k_nope, v = kv[..., :d_n], kv[..., d_n:]
+    k_rope = np.broadcast_to(rotate(k_rope), k_nope.shape[:-1] + (d_r,))
+    k = np.concatenate((k_nope, k_rope), axis=-1)  # (..., H, T, d_N + d_R)
+    q = np.concatenate((q[..., :d_n], rotate(q[..., d_n:])), axis=-1)
+    if scale is None:
+        scale = 1.0 / np.sqrt(d_n + d_r)
+    heads, attention = scaled_dot_product_attention(
+        q, k, v, causal_mask(t), scale=scale
+    )  # (..., H, T, d_v), (..., H, T, T)
+    return linear("o_proj", merge_heads(heads)), attention
+
+
+def _check_latent_weights(
+    w: dict[str, Array], num_heads: int, d_n: int, d_r: int, d_v: int
+) -> int:
+    """The latent width r, after checking that the weights fit together."""
+    for name, value in (("num_heads", num_heads), ("v_head_dim", d_v)):
+        check_int(name, value)
+    check_int("qk_nope_head_dim", d_n, minimum=0)
+    if check_int("qk_rope_head_dim", d_r) % 2:
+        raise ValueError(f"qk_rope_head_dim must be even, got {d_r}")
+    query = ["q_proj"] if "q_proj.weight" in w else ["q_a_proj", "q_b_proj"]
+    query += [] if "q_proj.weight" in w else ["q_a_layernorm"]
+    needed = [*query, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"]
+    missing = [f"{n}.weight" for n in [*needed, "o_proj"]]
+    missing = [name for name in missing if name not in w]
+    if missing:
+        raise ValueError(
+            f"weights must hold {', '.join(missing)}, got "
+            f"{', '.join(sorted(w))}"
+        )
+    rank = w["kv_a_layernorm.weight"].shape[-1]
+    shapes = {
+        "kv_a_proj_with_mqa.weight": (None, rank + d_r),
+        "kv_b_proj.weight": (rank, num_heads * (d_n + d_v)),
+        "o_proj.weight": (num_heads * d_v, None),
+        "q_proj.weight" if "q_proj.weight" in w else "q_b_proj.weight": (
+            None,
+            num_heads * (d_n + d_r),
+        ),
+    }
+    for name, (rows, cols) in shapes.items():
+        _check_matrix(name, w[name], rows, cols, f"({rows}, {cols})")
+    return rank
+
+
 # -----------------------------------------------------------------------------
 # Argument checks: each raises TypeError / ValueError naming the argument (see
 # mha._validate).
@@ -465,6 +619,20 @@ def _check_scores(x: ArrayLike) -> Array:
             "x must not contain +inf (use -inf to exclude an entry)"
         )
     return x
+
+
+def _check_sinks(sinks: ArrayLike, q_shape: tuple[int, ...]) -> Array:
+    """One finite sink logit per query head: shape (H,)."""
+    sinks = _as_float_array("sinks", sinks)
+    if q_shape[:-2] == () or sinks.shape != (q_shape[-3],):
+        heads = q_shape[-3] if len(q_shape) > 2 else "H"
+        raise ValueError(
+            f"sinks must have shape (H,) = ({heads},), one logit per query "
+            f"head of q (..., H, T_q, d_k) {q_shape}, got shape {sinks.shape}"
+        )
+    if not np.isfinite(sinks).all():
+        raise ValueError("sinks must be finite logits, got inf or NaN")
+    return sinks
 
 
 def check_attention_inputs(

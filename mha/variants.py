@@ -18,7 +18,8 @@ that visits only the tiles that are not empty.
 Here: mask_mods :func:`causal`, :func:`sliding_window`, :func:`sink_window`,
 :func:`document`, :func:`prefix_lm`; score_mods :func:`alibi`,
 :func:`softcap`; :func:`flex`, which checks its inputs, builds the block mask
-and calls FlexAttention; :func:`tile_states`, what a block mask skips;
+and calls FlexAttention (with learned sinks, gpt-oss's, as one more key
+column: :func:`sink_column`); :func:`tile_states`, what a block mask skips;
 :class:`RollingKVCache`, the ``window`` newest keys and values of a
 sliding-window decoder. Each function has a dense NumPy twin in
 :mod:`mha.reference` (``sliding_window_mask``, ``sink_window_mask``,
@@ -59,7 +60,7 @@ from torch.nn.attention.flex_attention import (
 
 from . import reference
 from ._validate import check_divisible, check_int, check_positive, check_scale
-from .decoding import KVCache
+from .caches import RollingKVCache
 
 __all__ = [
     "MaskMod",
@@ -75,6 +76,7 @@ __all__ = [
     "apply_score_mod",
     "block_mask",
     "flex",
+    "sink_column",
     "flex_compiles",
     "tile_states",
     "RollingKVCache",
@@ -286,6 +288,7 @@ def flex(
     q_offset: int | None = None,
     block_size: int = 128,
     compiled: bool = True,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """FlexAttention of q (B, H, T_q, d_k), k (B, H_kv, T_k, d_k) and v
     (B, H_kv, T_k, d_v).
@@ -305,8 +308,28 @@ def flex(
     d_v). (torch keeps at most ``torch._dynamo.config.recompile_limit``
     compiled versions of one function, 8 by default; past them it runs
     FlexAttention unfused, with a warning.)
+
+    ``sinks`` (H,): learned sink logits (gpt-oss), one more term in each
+    row's softmax with no value: a key at position T_k whose value is zero
+    and whose score is ``s_h`` (:func:`sink_column`), seen by every query.
     """
     _check_flex(q, k, v, score_mod)
+    if sinks is not None:
+        _check_sinks(sinks, q)
+        if block_mask is not None:
+            raise ValueError(
+                "sinks add a key column: pass mask_mod, not a block_mask "
+                "built for T_k keys"
+            )
+        t_k = k.shape[2]
+        if mask_mod is not None:  # checked for the real keys
+            _check_mask_lengths(mask_mod, q.shape[2], t_k)
+            _check_device(mask_mod, "mask_mod", q.device)
+        mask_mod, score_mod = sink_column(sinks, t_k, mask_mod, score_mod)
+        zero = k.new_zeros(k.shape[:2] + (1,))  # (B, H_kv, 1)
+        k = torch.cat((k, zero[..., None].expand(-1, -1, 1, k.shape[3])), 2)
+        v = torch.cat((v, zero[..., None].expand(-1, -1, 1, v.shape[3])), 2)
+        q_offset = _offset(q_offset, q.shape[2], t_k)  # the keys' own T_k
     t_q, t_k = q.shape[2], k.shape[2]
     scale = check_scale(scale, q.shape[3])
     offset = _offset(q_offset, t_q, t_k)
@@ -352,6 +375,39 @@ def flex(
     )
 
 
+def sink_column(
+    sinks: Tensor,
+    num_keys: int,
+    mask_mod: MaskMod | None = None,
+    score_mod: ScoreMod | None = None,
+) -> tuple[MaskMod | None, ScoreMod]:
+    """A mask_mod and a score_mod for ``num_keys`` keys and one more, the
+    learned sinks' column at ``kv_idx = num_keys``.
+
+    The column is seen by every query and scores ``sinks[h]`` whatever the
+    query; its key and value are zeros (:func:`flex` appends them), so it
+    takes its share of each row's softmax and adds nothing. The given
+    functions decide for the real keys (they never see the column).
+    """
+    last = torch.tensor(num_keys, device=sinks.device)  # the sink's index
+
+    def real(kv_idx: Tensor) -> Tensor:
+        return torch.clamp(kv_idx, max=last - 1)  # the column: never passed
+
+    def sink_score(score, b, h, q_idx, kv_idx):
+        if score_mod is not None:
+            score = score_mod(score, b, h, q_idx, real(kv_idx))
+        return torch.where(kv_idx >= last, sinks[h].to(score.dtype), score)
+
+    if mask_mod is None:
+        return None, sink_score
+
+    def sink_mask(b, h, q_idx, kv_idx):
+        return (kv_idx >= last) | mask_mod(b, h, q_idx, real(kv_idx))
+
+    return sink_mask, sink_score
+
+
 def flex_compiles(device: torch.device | str = "cpu") -> bool:
     """Whether ``torch.compile(flex_attention)`` can compile for ``device``.
 
@@ -373,7 +429,9 @@ def flex_compiles(device: torch.device | str = "cpu") -> bool:
 
 @functools.cache
 def _compiled_flex_attention() -> Callable[..., Tensor]:
-    return torch.compile(flex_attention)
+    # dynamic=False: a kernel per shape. With dynamic shapes, Inductor's CPU
+    # code for a document mask after a sliding window fails to compile.
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _unfused_flex_attention(*args, **kwargs) -> Tensor:
@@ -404,68 +462,6 @@ def tile_states(mask: BlockMask) -> NDArray[np.int8]:
             count = int(counts[0, 0, row])
             states[row, indices[0, 0, row, :count].cpu().numpy()] = code
     return states
-
-
-# ---------------------------------------------------------------------------
-# Decoding with a sliding window: a cache of `window` slots
-
-
-class RollingKVCache:
-    """Keys and values of the ``window`` newest positions, in a ring.
-
-    Position p lives in slot p % window of (B, H_kv, window, d_k) tensors
-    allocated once (Mistral 7B's rolling buffer cache, Jiang et al. 2023):
-    the memory stays ``window`` positions however long the sequence grows.
-    :meth:`update` writes the new keys and values and returns views of the
-    slots written so far, which are the keys and values the newest query
-    attends to under :func:`sliding_window` (``window``): in slot order, not
-    in time order, which attention does not need, since the positions are in
-    the keys already (RoPE) and one query has nothing to mask. The earlier
-    queries of a chunk of several new tokens see keys that the chunk
-    overwrote: attend a prompt with the sliding-window mask, then decode one
-    token at a time.
-    """
-
-    def __init__(
-        self,
-        batch: int,
-        window: int,
-        num_kv_heads: int,
-        head_dim: int,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> None:
-        window = check_int("window", window)
-        # The slots and every other check are a KVCache's, max_len = window.
-        self._slots = KVCache(
-            batch, window, num_kv_heads, head_dim, dtype=dtype, device=device
-        )
-        self.window = window
-        self.seen = 0  # positions written so far, the newest is seen - 1
-
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v (B, H_kv, T, d_k); return (B, H_kv, <= window, d_k)."""
-        slots = self._slots  # written by index: its own count stays 0
-        shape = _tokens_shape(k, v, self.window)
-        slots.check_update(*shape, k.dtype, k.device, v=v)
-        new = k.shape[2]
-        keep = min(new, self.window)  # older new tokens are out of reach
-        where = torch.arange(self.seen + new - keep, self.seen + new)
-        where = (where % self.window).to(slots.keys.device)  # (keep,) slots
-        slots.keys.index_copy_(2, where, k[:, :, new - keep :])
-        slots.values.index_copy_(2, where, v[:, :, new - keep :])
-        self.seen += new
-        filled = len(self)
-        return slots.keys[:, :, :filled], slots.values[:, :, :filled]
-
-    def __len__(self) -> int:
-        """Positions held: min(positions seen, window)."""
-        return min(self.seen, self.window)
-
-    def reset(self) -> None:
-        """Forget every position (the memory stays allocated)."""
-        self.seen = 0
 
 
 # ---------------------------------------------------------------------------
@@ -522,6 +518,23 @@ def _check_flex(
         )
     check_divisible("num_heads of q", q.shape[1], "num_heads of k", k.shape[1])
     _check_score_heads(score_mod, "q", q)
+
+
+def _check_sinks(sinks: object, q: Tensor) -> None:
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+        got = (
+            sinks.dtype if isinstance(sinks, Tensor) else type(sinks).__name__
+        )
+        raise TypeError(f"sinks must be a floating-point tensor, got {got}")
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(
+            f"sinks must have shape (H,) = ({q.shape[1]},), one logit per "
+            f"query head, got shape {tuple(sinks.shape)}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(
+            f"sinks must be on q's device {q.device}, got {sinks.device}"
+        )
 
 
 def _check_score_heads(
@@ -606,22 +619,3 @@ def _check_doc_ids(
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise TypeError(f"doc_ids must be ints, got dtype {ids.dtype}")
     return ids.long()
-
-
-def _tokens_shape(
-    k: Tensor, v: Tensor, window: int
-) -> tuple[int, int, int, int]:
-    """(B, H_kv, T, d_k) of k and v, T counted as at most ``window``."""
-    for name, t in (("k", k), ("v", v)):
-        if not isinstance(t, Tensor) or t.dim() != 4:
-            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(
-                f"{name} must be a (B, H_kv, T, d_k) tensor, got {got}"
-            )
-    if k.shape != v.shape:
-        raise ValueError(
-            "k and v must have the same shape (B, H_kv, T, d_k), got "
-            f"{tuple(k.shape)} and {tuple(v.shape)}"
-        )
-    batch, heads, new, head_dim = k.shape
-    return batch, heads, min(new, window), head_dim

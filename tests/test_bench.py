@@ -643,7 +643,7 @@ def test_decode_bad_arguments() -> None:
 def test_git_dirty_counts_code_changes_not_benchmark_results(tmp_path):
     """Replacing committed results (as the reproduction recipe does) is
     not a change of the code that measured them; editing code is."""
-    from mha.bench.environment import git_commit
+    from mha.environment import git_commit
 
     def git(*args):
         subprocess.run(

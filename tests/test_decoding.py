@@ -487,6 +487,9 @@ def test_layer_input_errors() -> None:
         layer(randn(2, 3, 16))
     with pytest.raises(TypeError, match="x must be a floating-point tensor"):
         layer(torch.zeros(2, 3, D, dtype=torch.int64))
+    float32 = layer.to(torch.float32)  # x in float64: ours, not torch's "mat1 and mat2" error
+    with pytest.raises(TypeError, match="x must have the layer.s dtype torch.float32, got torch"):
+        float32(randn(2, 3, D))
     no_rope = make_layer(2, rope_base=None)
     with pytest.raises(ValueError, match=r"rope_base=None"):
         no_rope(randn(2, 3, D), positions=torch.arange(3))

@@ -43,7 +43,7 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def test_help_lists_the_options() -> None:
     completed = _run("--help", timeout=120)
     assert completed.returncode == 0, completed.stderr
-    for option in ("--inspect", "--arch", "--mask", "--cubin-dir", "--output"):
+    for option in ("--inspect", "--arch", "--mask", "--key-start", "--cubin-dir", "--output"):
         assert option in completed.stdout
 
 
@@ -151,10 +151,15 @@ def test_committed_inspection_covers_every_build_without_spills() -> None:
     result = _committed()
     rows = result["builds"]
     builds = {(r["kernel"], r["arch"], r["dtype"], r["head_dim"], r["causal"]) for r in rows}
-    # kernels, GPUs, dtypes, head sizes, masks
-    assert len(builds) == len(rows) == 4 * 2 * 3 * 6 * 2
+    # kernels x GPUs x dtypes x head sizes x masks, and the paged kernel (causal by its lengths)
+    assert len(builds) == len(rows) == 4 * 2 * 3 * 6 * 2 + 2 * 3 * 6
+    assert {row["kernel"] for row in rows} == {
+        "forward", "backward_dk_dv", "backward_dq", "split_kv", "paged"
+    }  # fmt: skip
     assert {row["head_dim"] for row in rows} == {64, 80, 96, 128, 192, 256}
     assert {row["causal"] for row in rows} == {True, False}
+    assert all(row["causal"] for row in rows if row["kernel"] == "paged")
+    assert not any(row["key_start"] for row in rows)  # key padding: its own file, below
     for row in rows:
         assert row["spill_bytes"] == 0 and row["stack_bytes"] == 0, row
         assert row["tensor_core_instructions"] == row["hmma"] + row["hgmma"], row
@@ -189,3 +194,18 @@ def test_committed_inspection_used_the_default_tiles() -> None:
             tiles.num_warps,
             tiles.num_stages,
         ), row
+
+
+def test_committed_inspection_with_key_starts_has_no_spills() -> None:
+    # The same builds with per-row key starts (python -m mha.kernels --inspect --key-start): the
+    # key padding of left-padded batches must not make any build spill either.
+    files = sorted((ROOT / "benchmarks").glob("kernels_key_start_2*.json"))
+    assert files, "no committed results of python -m mha.kernels --inspect --key-start"
+    result = json.loads(files[-1].read_text())
+    rows = result["builds"]
+    assert len(rows) == 4 * 2 * 3 * 6 * 2 and all(row["key_start"] for row in rows)
+    assert "paged" not in {row["kernel"] for row in rows}
+    for row in rows:
+        assert row["spill_bytes"] == 0 and row["stack_bytes"] == 0, row
+        assert row["shared_bytes"] <= LIMITS[row["arch"]], row
+    assert result["command"].startswith("python -m mha.kernels --inspect --key-start")

@@ -229,10 +229,58 @@ def test_from_config_errors_name_the_field() -> None:
                 "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
             }
         )
-    with pytest.raises(ValueError, match=r"head_dim must be hidden_size / num_attention_heads"):
-        GroupedQueryAttention.from_config({**fields, "head_dim": 16})
     with pytest.raises(ValueError, match="config must give hidden_size"):
         GroupedQueryAttention.from_config({"num_attention_heads": 8})
+    for field, value in [
+        ("attn_logit_softcapping", 50.0),
+        ("query_pre_attn_scalar", 144),
+        ("pretraining_tp", 2),
+        ("sliding_window", 16),
+    ]:
+        with pytest.raises(ValueError, match=rf"{field} = {value}"):
+            GroupedQueryAttention.from_config({**fields, field: value})
+    rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    with pytest.raises(ValueError, match=r"partial_rotary_factor = 0.5"):
+        GroupedQueryAttention.from_config({**fields, "rope_parameters": rope})
+    with pytest.raises(ValueError, match=r"q_norm and k_norm \(model_type 'qwen3'\)"):
+        GroupedQueryAttention.from_config({**fields, "model_type": "qwen3"})
+
+
+@pytest.mark.parametrize(
+    "config_class, extra",
+    [
+        ("LlamaConfig", {"head_dim": 16}),  # head_dim != hidden / heads (64 / 8)
+        ("Qwen2Config", {}),  # biases on q, k, v, none on o
+        ("LlamaConfig", {"attention_bias": True, "head_dim": 12}),
+    ],
+)
+def test_from_config_equals_transformers_attention(config_class: str, extra: dict) -> None:
+    import transformers
+
+    config = getattr(transformers, config_class)(
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+        vocab_size=16,
+        **extra,
+    )
+    config._attn_implementation = "eager"
+    family = config_class.removesuffix("Config")
+    module = getattr(transformers.models, family.lower())
+    attention = getattr(module, f"modeling_{family.lower()}")
+    torch.manual_seed(3)
+    theirs = getattr(attention, f"{family}Attention")(config, layer_idx=0).eval()
+    rotary = getattr(attention, f"{family}RotaryEmbedding")(config)
+    ours = GroupedQueryAttention.from_config(config).eval()
+    ours.load_state_dict(theirs.state_dict())  # strict
+    theirs.load_state_dict(ours.state_dict())  # both ways
+    x = randn(2, 7, 64, seed=4, dtype=torch.float32)
+    positions = torch.arange(7)
+    with torch.no_grad():
+        expected, _ = theirs(x, rotary(x, positions[None]), additive_causal(7, 7))
+        actual = ours(x, positions=positions)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_left_padded_batch_equals_llama_attention_with_position_ids() -> None:

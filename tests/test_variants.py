@@ -310,15 +310,6 @@ def test_unfused_flex_equals_the_twin(name, H, H_kv, t_q, t_k, d) -> None:
     np.testing.assert_allclose(out.numpy(), _twin(q, k, v, mask, score_fn), rtol=0, atol=1e-12)
 
 
-@pytest.fixture
-def fresh_compiler():
-    """Forget earlier compiled versions: each test compiles its own (the disk cache stays)."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-@pytest.mark.usefixtures("fresh_compiler")
 @pytest.mark.parametrize("name", VARIANTS)
 def test_compiled_flex_equals_the_twin(name) -> None:
     H, t = 4, 200
@@ -328,7 +319,27 @@ def test_compiled_flex_equals_the_twin(name) -> None:
     np.testing.assert_allclose(out.numpy(), _twin(q, k, v, mask, score_fn), rtol=0, atol=2e-6)
 
 
-@pytest.mark.usefixtures("fresh_compiler")
+@pytest.fixture(autouse=True, scope="module")
+def room_for_every_compiled_case():
+    """One compiled kernel per shape and mask (dynamic=False): more than torch's default of 8
+    versions of flex_attention in this module. The compiler is never reset between cases."""
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
+
+
+def test_compiled_mask_functions_follow_one_another_in_one_process() -> None:
+    # No compiler reset between the calls (nor between these tests): a document mask after a
+    # sliding window once crashed Inductor's CPU code generation (dynamic shapes).
+    q, k, v = _inputs(1, 2, 2, 256, 256, 16, dtype=torch.float32)
+    ids = np.repeat(np.arange(4), 64)
+    for mask_mod, mask in [
+        (variants.sliding_window(64), reference.sliding_window_mask(256, window=64)),
+        (variants.document(ids), reference.document_mask(ids)),
+    ]:
+        out = variants.flex(q, k, v, mask_mod=mask_mod)
+        np.testing.assert_allclose(out.numpy(), _twin(q, k, v, mask, None), rtol=0, atol=2e-6)
+
+
 def test_compiled_sliding_window_gqa_uneven_lengths() -> None:
     # GQA, T_q != T_k (neither a multiple of the 128-token tile), an odd head size.
     q, k, v = _inputs(2, 4, 2, 150, 290, 59, dtype=torch.float32)
@@ -338,7 +349,6 @@ def test_compiled_sliding_window_gqa_uneven_lengths() -> None:
     np.testing.assert_allclose(out.numpy(), _twin(q, k, v, mask, None), rtol=0, atol=2e-6)
 
 
-@pytest.mark.usefixtures("fresh_compiler")
 def test_one_compiled_kernel_serves_every_window() -> None:
     # The window is a tensor the mask reads, not a constant in its code: no recompilation.
     # (B, H, T, d_k) as chapter 15 runs it, which then finds the kernel in the compiler's cache.
@@ -350,7 +360,6 @@ def test_one_compiled_kernel_serves_every_window() -> None:
         np.testing.assert_allclose(out.numpy(), _twin(q, k, v, mask, None), atol=2e-6)
 
 
-@pytest.mark.usefixtures("fresh_compiler")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_compiled_16_bit_within_sdpas_error(dtype) -> None:
     # The same inputs through SDPA with the dense mask, in the same dtype, set the tolerance.
@@ -462,7 +471,6 @@ def test_score_mod_gradients_by_finite_differences(score_mod) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.usefixtures("fresh_compiler")
 def test_compiled_softcap_gradients_on_a_gpu() -> None:
     H, T, d = 4, 256, 64
     q, k, v = (t.cuda().requires_grad_() for t in _inputs(1, H, H, T, T, d, dtype=torch.float32))
@@ -640,7 +648,6 @@ def test_rolling_cache_update_errors() -> None:
 # The benchmark: python -m mha.bench variants
 
 
-@pytest.mark.usefixtures("fresh_compiler")
 def test_variants_benchmark_rows_and_ratios() -> None:
     from mha.bench import variants as bench_variants
     from mha.bench.report import paired_ratio
@@ -679,7 +686,6 @@ def test_variants_benchmark_rows_and_ratios() -> None:
     assert "sliding_window W=37" in text and "sdpa_dense/flex" in text
 
 
-@pytest.mark.usefixtures("fresh_compiler")
 def test_flex_causal_entry_equals_causal_sdpa() -> None:
     from mha.bench import variants as bench_variants
 
@@ -756,7 +762,6 @@ def test_fewer_queries_are_the_newest_positions(mask_mod, with_alibi, t_q) -> No
     torch.testing.assert_close(step, whole[:, :, -t_q:], rtol=0, atol=1e-12)
 
 
-@pytest.mark.usefixtures("fresh_compiler")
 def test_compiled_decoding_step_under_a_sliding_window() -> None:
     q, k, v = _inputs(1, 4, 2, 1, 300, 64, dtype=torch.float32)
     out = variants.flex(q, k, v, mask_mod=variants.sliding_window(100))

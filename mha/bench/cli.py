@@ -1,4 +1,5 @@
-"""The command line: ``python -m mha.bench {layer,decode,variants} [...]``.
+"""The command line: ``python -m mha.bench COMMAND`` (layer, decode, variants,
+model, serve).
 
 A subcommand is a benchmark: its registry, its ``run`` function (named after
 whose keyword arguments the options are), its table, the common options
@@ -11,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from . import decode, layer, variants
+from . import decode, layer, model, serve, variants
 from .registry import Implementation, implementation_table
 from .report import write_results
 from .timing import DEVICES, DTYPES, log
@@ -19,7 +20,7 @@ from .timing import DEVICES, DTYPES, log
 __all__ = ["main", "COMMANDS"]
 
 #: The subcommands; the first is the default.
-COMMANDS = ("layer", "decode", "variants")
+COMMANDS = ("layer", "decode", "variants", "model", "serve")
 
 
 def _numbers(values: Sequence[int]) -> str:
@@ -150,6 +151,38 @@ def _parser() -> argparse.ArgumentParser:
         default=None, help="compile with the compiler's usual cache (by "
         "default an empty temporary one, so first calls include the whole "
         "build)")
+    add = _command(
+        commands, "model",
+        ("a whole model's generate, tokens/s per attention backend",
+         "Time greedy generate of mha.CausalLM (a small Llama with random "
+         "weights) on each attention backend and cache, beside transformers' "
+         "generate on the same weights."),
+        model.MODEL_IMPLEMENTATIONS, model.run_model_benchmark,
+        model.format_model_table,
+        ("prompts", "prompt lengths (default: 32)"),
+    )
+    add("--batch", type=int, metavar="B", help="prompts per call "
+        "(default: 1)")
+    add("--new-tokens", type=int, metavar="N", help="tokens generated per "
+        "call (default: 32)")
+    add = _command(
+        commands, "serve",
+        ("N requests: the engine, one by one, a padded static batch",
+         "Serve N requests with a mix of prompt lengths and new tokens on a "
+         "small Llama (random weights): mha.Engine (continuous batching "
+         "over a paged pool), generate on each request in turn, and one "
+         "generate of the left-padded batch; tokens/s, time ratios, blocks."),
+        serve.SERVE_IMPLEMENTATIONS, serve.run_serve_benchmark,
+        serve.format_serve,
+        ("requests", "numbers of requests N (default: 8)"),
+    )
+    add("--requests", type=int, nargs="+", metavar="N", help="numbers of "
+        "requests (the same as --seq-lens here; default: 8)")
+    add("--mix", choices=tuple(serve.MIXES), help="the requests' lengths: "
+        "chat, prompts of 8-128 tokens and 8-64 new; short_prompts, 8-32 "
+        "and 32-128 (default: chat)")
+    add("--budget", type=int, metavar="TOKENS", help="the engine's "
+        "max_num_batched_tokens (default: 256)")
     # fmt: on
     return parser
 

@@ -24,8 +24,8 @@ import torch
 
 from .. import counting
 from ..decoding import GroupedQueryAttention
+from ..environment import describe, load_average
 from . import decode_steps  # noqa: F401  (fills the registry)
-from .environment import describe, load_average
 from .registry import DECODE_IMPLEMENTATIONS, build_runner
 from .report import (
     MIB,

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import counting
+from ..environment import describe, load_average
 from . import implementations  # noqa: F401  (fills the registry)
-from .environment import describe, load_average
 from .memory import cuda_peak_bytes, in_fresh_process, peak_rss_of_call
 from .registry import IMPLEMENTATIONS, Runner, Unsupported, build_runner
 from .report import (

@@ -37,9 +37,9 @@ __all__ += ["IMPLEMENTATIONS", "DECODE_IMPLEMENTATIONS", "register"]
 __all__ += ["build_runner", "select", "implementation_table"]
 
 #: What a runner computes: the whole layer (B, T, D), the attention core on
-#: projected heads (B, H, T, d_k), the four projections (B, T, D), or one
-#: decoding step (B, 1, D).
-SCOPES = ("layer", "core", "projections", "decode")
+#: projected heads (B, H, T, d_k), the four projections (B, T, D), one
+#: decoding step (B, 1, D), or a whole model's generate.
+SCOPES = ("layer", "core", "projections", "decode", "model", "serve")
 
 #: The library whose threads do the work. Entries of different libraries are
 #: timed in rounds of their own: interleaved, one library's idle worker

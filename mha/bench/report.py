@@ -1,6 +1,6 @@
 """Reading and writing reports: one figure, paired ratios, series, JSON.
 
-A report is a JSON-ready dict: ``environment`` (:mod:`mha.bench.environment`,
+A report is a JSON-ready dict: ``environment`` (:mod:`mha.environment`,
 with the command line), ``config`` (what was run, how it was timed),
 ``results`` (one row per measured case) and ``ratios``.
 """

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .._validate import check_choice, check_int
-from .environment import environment
+from ..environment import environment
 from .registry import Implementation, Runner, Unsupported, select
 
 __all__ = ["DTYPES", "DEVICES", "Timing", "Case", "measure", "prepare"]

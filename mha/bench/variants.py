@@ -35,7 +35,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from .. import variants
 from .._validate import check_choice
-from .environment import describe, load_average
+from ..environment import describe, load_average
 from .registry import (
     Implementation,
     Runner,

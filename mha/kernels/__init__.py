@@ -3,8 +3,10 @@
 :func:`triton_attention` is the tiled attention of :mod:`mha.flash` as one
 Triton kernel (and two more for its backward pass);
 :func:`triton_split_kv_attention` splits the keys of a decoding step across
-programs. Causal attention is aligned bottom-right; keys and values may have
-fewer heads than the queries (GQA, MQA); any head size up to 256. The kernels
+programs; :func:`triton_paged_attention` reads keys and values through a
+serving engine's block table, where they are. Causal attention is aligned
+bottom-right; keys and values may have fewer heads than the queries (GQA,
+MQA); any head size up to 256. The kernels
 are compiled ahead of time for sm_80 (A100) and sm_90 (H100) and inspected by
 ``python -m mha.kernels --inspect`` (:mod:`mha.kernels.aot`), and your own
 kernels by :func:`compile_report` (:mod:`mha.kernels.report`); the project's
@@ -45,6 +47,8 @@ __all__ = [
     "INTERPRETED",
     "triton_attention",
     "triton_split_kv_attention",
+    "triton_paged_attention",
+    "paged_attention_torch",
     "compile_report",
 ]
 
@@ -103,10 +107,14 @@ def triton_attention(
     scale: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    key_start: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """softmax(q k^T * scale) v for (B, H, T, d_k) tensors, by a Triton kernel.
 
-    Differentiable (the backward pass is two more kernels). See
+    Differentiable (the backward pass is two more kernels). ``key_start``
+    (B,) integers, or None: row b's keys before ``key_start[b]`` are
+    padding (a left-padded batch), hidden and never read. See
     :func:`mha.kernels.attention.triton_attention` for the arguments.
 
     Raises:
@@ -116,8 +124,9 @@ def triton_attention(
     from .attention import triton_attention as run
 
     return run(
-        q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k
-    )
+        q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k,
+        key_start=key_start, sinks=sinks,
+    )  # fmt: skip
 
 
 def triton_split_kv_attention(
@@ -128,15 +137,17 @@ def triton_split_kv_attention(
     causal: bool = False,
     scale: float | None = None,
     num_splits: int | None = None,
+    key_start: Tensor | None = None,
 ) -> Tensor:
     """Attention for few queries and many keys, the keys split across programs.
 
     The split-KV ("Flash-Decoding") kernel: each program attends one query
     tile to one range of keys and writes that range's output and
     logsumexp; the ranges are merged by a logsumexp-weighted sum. Same
-    arguments and result as :func:`triton_attention`, forward only (no
-    gradient). ``num_splits``: default, enough programs for every
-    multiprocessor of the GPU (132, an H100 SXM's, in the interpreter). See
+    arguments and result as :func:`triton_attention` (``key_start``
+    included), forward only (no gradient). ``num_splits``: default, enough
+    programs for every multiprocessor of the GPU (132, an H100 SXM's, in the
+    interpreter). See
     :func:`mha.kernels.attention.split_kv_forward`.
 
     Raises:
@@ -146,9 +157,54 @@ def triton_split_kv_attention(
     from .attention import split_kv_forward
 
     out, _ = split_kv_forward(
-        q, k, v, causal=causal, scale=scale, num_splits=num_splits
-    )
+        q, k, v, causal=causal, scale=scale, num_splits=num_splits,
+        key_start=key_start,
+    )  # fmt: skip
     return out
+
+
+def triton_paged_attention(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float | None = None,
+) -> Tensor:
+    """Attention over keys and values held in the blocks of a pool.
+
+    q (B, H, T_q, d): the last T_q positions of each sequence; k_pool,
+    v_pool (num_blocks, block_size, H_kv, d); block_table (B, max_blocks)
+    int32; seq_lens (B,) int32, counting the T_q queries (causal, aligned
+    bottom-right to each sequence's length). The blocks are read where they
+    are (no gather), GQA by packing a group's query heads into one tile,
+    a decoding step split over the blocks. Forward only. See
+    :mod:`mha.kernels.paged`; :func:`paged_attention_torch` is its twin.
+
+    Raises:
+        ModuleNotFoundError: Triton cannot be imported here.
+    """
+    _require_triton("triton_paged_attention")
+    from .paged import triton_paged_attention as run
+
+    return run(q, k_pool, v_pool, block_table, seq_lens, scale=scale)
+
+
+def paged_attention_torch(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float | None = None,
+) -> Tensor:
+    """:func:`triton_paged_attention` in plain torch (it gathers the
+    blocks): no Triton needed. See :mod:`mha.kernels.paged_torch`."""
+    from .paged_torch import paged_attention_torch as run
+
+    return run(q, k_pool, v_pool, block_table, seq_lens, scale=scale)
 
 
 def compile_report(fn, *example_args, archs=("sm_80", "sm_90")) -> list:

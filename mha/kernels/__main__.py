@@ -1,10 +1,11 @@
 """``python -m mha.kernels --inspect``: compile every kernel ahead of time.
 
-For each kernel (forward, the two backward kernels, split-KV), GPU
+For each kernel (forward, the two backward kernels, split-KV, paged), GPU
 (``sm_80``, the A100; ``sm_90``, the H100), dtype, head size (64, 80, 96,
 128, 192, 256 by default) and mask (causal and full), the kernel is compiled
-at its default launch settings, without a GPU, and one JSON line is printed:
-kernel, arch, dtype, head_dim, causal, block_q, block_k, num_warps,
+at its default launch settings (the paged kernel: causal only, by its
+lengths), without a GPU, and one JSON line is printed:
+kernel, arch, dtype, head_dim, causal, key_start, block_q, block_k, num_warps,
 num_stages, registers, stack_bytes, spill_bytes, shared_bytes,
 tensor_core_instructions (``hmma`` + ``hgmma``), hmma, hgmma, hgmma_a_regs,
 hgmma_a_smem (the ``HGMMA`` whose A operand is in registers, or in shared
@@ -32,7 +33,13 @@ from .tiles import INSPECTED_HEAD_DIMS
 CHOICES = {
     "arch": ("sm_80", "sm_90"),
     "dtype": ("float16", "bfloat16", "float32"),
-    "kernel": ("forward", "backward_dk_dv", "backward_dq", "split_kv"),
+    "kernel": (
+        "forward",
+        "backward_dk_dv",
+        "backward_dq",
+        "split_kv",
+        "paged",
+    ),  # fmt: skip
     "mask": ("causal", "full"),
 }
 
@@ -104,7 +111,7 @@ def parser() -> argparse.ArgumentParser:
         "--kernel",
         type=_names("kernel"),
         default=CHOICES["kernel"],
-        help="comma-separated kernels; default all four",
+        help="comma-separated kernels; default all five",
     )
     p.add_argument(
         "--mask",
@@ -112,6 +119,12 @@ def parser() -> argparse.ArgumentParser:
         default=CHOICES["mask"],
         help="comma-separated masks: causal (bottom-right), full (no mask); "
         "default both",
+    )
+    p.add_argument(
+        "--key-start",
+        action="store_true",
+        help="compile the kernels with per-row key starts (a left-padded "
+        "batch); the paged kernel, which takes none, is left out",
     )
     p.add_argument(
         "--cubin-dir",
@@ -131,7 +144,7 @@ def parser() -> argparse.ArgumentParser:
 def _environment(args: argparse.Namespace, seconds: float) -> dict:
     import triton
 
-    from ..bench.environment import environment
+    from ..environment import environment
 
     found = environment("cpu", ",".join(args.dtype))
     keep = ("torch_version", "python_version", "platform", "date_utc")
@@ -203,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in inspect_builds(
         args.arch, args.dtype, args.head_dim, args.kernel, args.cubin_dir,
         causal=tuple(mask == "causal" for mask in args.mask),
+        key_start=args.key_start,
     ):  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)

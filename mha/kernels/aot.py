@@ -83,20 +83,29 @@ def example_launches(
     head_dim: int,
     capability: int,
     causal: bool = True,
+    key_start: bool = False,
 ) -> list:
     """The launch(es) of ``kernel`` that :mod:`mha.kernels.attention` makes,
-    with its default tiles for the target, on meta tensors."""
+    with its default tiles for the target, on meta tensors; ``key_start``:
+    with per-row key starts (a left-padded batch)."""
     batch, heads, kv_heads, t = EXAMPLE.values()
     major = (capability // 10, capability % 10)
 
     def tensor(h, length, d=head_dim, kind=dtype):
         return torch.empty((batch, h, length, d), dtype=kind, device="meta")
 
+    if kernel == "paged":
+        return [_paged_launch(dtype, head_dim, major)]
     t_q = 1 if kernel == "split_kv" else t
     q, k, v = tensor(heads, t_q), tensor(kv_heads, t), tensor(kv_heads, t)
     lse = torch.empty((batch, heads, t_q), device="meta")
     tiles = kernels.default_tiles(kernel, head_dim, dtype, major)
-    common = dict(causal=causal, scale=head_dim**-0.5)
+    starts = torch.empty((batch,), dtype=torch.int32, device="meta")
+    common = dict(
+        causal=causal,
+        scale=head_dim**-0.5,
+        key_start=starts if key_start else None,
+    )
     if kernel == "forward":
         return [kernels.forward_launch(q, k, v, q, lse, tiles=tiles, **common)]
     if kernel == "split_kv":
@@ -121,6 +130,38 @@ def example_launches(
         q, k, v, q, lse, lse, q, k, v, tiles=both, **common
     )
     return [launches[names.index(kernel)]]
+
+
+def _paged_launch(dtype: torch.dtype, head_dim: int, major: tuple[int, int]):
+    """A decoding step of the paged kernel: the example's sequences held in
+    blocks of 16 positions of one pool."""
+    from .paged import paged_launch
+
+    batch, heads, kv_heads, t = EXAMPLE.values()
+    block_size = 16
+    blocks = batch * t // block_size
+    q = torch.empty((batch, heads, 1, head_dim), dtype=dtype, device="meta")
+    pool = torch.empty(
+        (blocks, block_size, kv_heads, head_dim), dtype=dtype, device="meta"
+    )
+    table = torch.empty(
+        (batch, t // block_size), dtype=torch.int32, device="meta"
+    )
+    lens = torch.empty((batch,), dtype=torch.int32, device="meta")
+    tiles = kernels.default_tiles("paged", head_dim, dtype, major)
+    rows = heads // kv_heads  # a group's query heads, one query each
+    programs = batch * kv_heads * -(-rows // tiles.block_q)
+    splits = kernels.default_num_splits(
+        programs, t, tiles.block_k, kernels.H100_MULTIPROCESSORS
+    )
+    keys, splits = kernels.split_sizes(t, splits, tiles.block_k)
+    partial = torch.empty(
+        (batch, kv_heads, splits, rows, head_dim), device="meta"
+    )
+    return paged_launch(
+        q, pool, pool, table, lens, partial, partial[..., 0],
+        scale=head_dim**-0.5, tiles=tiles, keys_per_split=keys,
+    )  # fmt: skip
 
 
 def compile_launch(launch, capability: int):
@@ -224,9 +265,11 @@ def inspect_builds(
     kernel_names=kernels.KERNELS,
     cubin_dir: Path | None = None,
     causal=(True, False),
+    key_start: bool = False,
 ) -> Iterator[dict]:
     """Compile each (kernel, arch, dtype, head_dim, causal) and yield its
-    row."""
+    row; ``key_start``: the kernels with per-row key starts (left padding),
+    which the paged kernel does not take (it is left out)."""
     if INTERPRETED is not False:
         raise RuntimeError(
             "the kernels were decorated for Triton's interpreter: inspect in "
@@ -236,16 +279,23 @@ def inspect_builds(
         for dtype in dtypes:
             for head_dim in head_dims:
                 for name in kernel_names:
-                    for masked in causal:
+                    if key_start and name == "paged":
+                        continue
+                    # the paged kernel is causal by its lengths: no flag
+                    masks = (True,) if name == "paged" else causal
+                    for masked in masks:
                         yield _inspect_one(
-                            name, arch, dtype, head_dim, masked, cubin_dir
-                        )
+                            name, arch, dtype, head_dim, masked, key_start,
+                            cubin_dir,
+                        )  # fmt: skip
 
 
-def _inspect_one(name, arch, dtype, head_dim, causal, cubin_dir) -> dict:
+def _inspect_one(
+    name, arch, dtype, head_dim, causal, key_start, cubin_dir
+) -> dict:
     capability = ARCHS[arch]
     (launch,) = example_launches(
-        name, DTYPES[dtype], head_dim, capability, causal
+        name, DTYPES[dtype], head_dim, capability, causal, key_start
     )
     compiled = compile_launch(launch, capability)
     row = {
@@ -254,6 +304,7 @@ def _inspect_one(name, arch, dtype, head_dim, causal, cubin_dir) -> dict:
         "dtype": dtype,
         "head_dim": head_dim,
         "causal": bool(causal),
+        "key_start": bool(key_start),
         "block_q": launch.constants["BLOCK_Q"],
         "block_k": launch.constants["BLOCK_K"],
         "num_warps": launch.constants["num_warps"],
@@ -262,7 +313,9 @@ def _inspect_one(name, arch, dtype, head_dim, causal, cubin_dir) -> dict:
         "cubin": None,
     }
     if cubin_dir is not None:
-        mask = "causal" if causal else "full"
+        mask = ("causal" if causal else "full") + (
+            "_key_start" if key_start else ""
+        )
         path = (
             Path(cubin_dir) / f"{name}_{arch}_{dtype}_d{head_dim}_{mask}.cubin"
         )

@@ -16,8 +16,23 @@ the head size is padded to a power of two (``PADDED_DIM``) the same way.
 Causal attention is aligned bottom-right (query i sees keys 0..i + T_k -
 T_q); query head h reads key/value head ``h // group``.
 
+Key padding: a left-padded batch (transformers' ``attention_mask`` of 0/1,
+shape (B, T_k), its zeros first) is described by one int32 per row,
+``key_start`` (B,): row b's keys 0..key_start[b] - 1 are padding, hidden from
+every query of the row and never loaded (NaN there changes nothing); the
+key tiles wholly before ``key_start[b]`` are skipped. A query that sees no
+key (a padded query of a causal prompt, or a row of padding only) gives
+zeros and a logsumexp of -inf, never NaN. Left padding is what decoding
+needs: the new tokens of every row go to the end, so one start per row
+stays right for the whole generation, and it costs one load per program
+where a (B, T_k) mask would cost one per key tile.
+:func:`mha.functional.key_start_from_attention_mask` turns a left-padded
+``attention_mask`` into ``key_start``. Without ``key_start`` the kernels are
+compiled without that code (``HAS_KEY_START`` is a constexpr).
+
 * :func:`attention_forward` - the forward kernel; returns output and
-  logsumexp (one float32 per query).
+  logsumexp (one float32 per query). With learned sinks (gpt-oss), each
+  head's sink logit is one more term in ``ell`` after the keys.
 * :func:`attention_backward` - two kernels (one program per key tile of a
   key/value head for dk and dv, summed over the head's group of query heads;
   one per query tile for dq) that recompute the weights from the logsumexp,
@@ -55,7 +70,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .._validate import check_same, check_scale, check_tensor
+from .._validate import (
+    check_key_start,
+    check_same,
+    check_scale,
+    check_tensor,
+)
 from . import INTERPRETED, MAX_HEAD_DIM
 from .tiles import (
     H100_MULTIPROCESSORS,
@@ -72,6 +92,8 @@ __all__ = [
     "attention_backward",
     "split_kv_forward",
     "merge_partials",
+    "finish_rows",
+    "multiprocessors",
     "TritonAttention",
     "triton_attention",
     "Tiles",
@@ -99,29 +121,33 @@ def _tile(head, positions, dims, stride_t, stride_d):
 
 @triton.jit
 def _attend(
-    q, k_head, v_head, rows, dims, start, stop, offset, scale,
+    q, k_head, v_head, rows, dims, start, stop, offset, key_start, scale,
     stride_kt, stride_kd, stride_vt, stride_vd,
     CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_START: tl.constexpr,
 ):  # fmt: skip
     """The online softmax of one query tile over keys start..stop-1.
 
     :func:`mha.flash.online_softmax` for one program: returns the running
-    maximum ``m``, sum ``ell`` and weighted values ``acc`` (float32).
+    maximum ``m``, sum ``ell`` and weighted values ``acc`` (float32). With
+    ``HAS_KEY_START``, keys before ``key_start`` are hidden and not loaded.
     """
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)  # running maximum
     ell = tl.full([BLOCK_Q], 0.0, tl.float32)  # running sum of exp(s - m)
     acc = tl.full([BLOCK_Q, PADDED_DIM], 0.0, tl.float32)  # running p @ v
     for first in range(start, stop, BLOCK_K):
         cols = first + tl.arange(0, BLOCK_K)  # key positions
-        exists = (cols[:, None] < stop) & (dims[None, :] < HEAD_DIM)
+        visible = cols < stop  # (B_k,)
+        if HAS_KEY_START:  # left padding: keys before key_start hidden
+            visible = visible & (cols >= key_start)
+        exists = visible[:, None] & (dims[None, :] < HEAD_DIM)
         k_tile = _tile(k_head, cols, dims, stride_kt, stride_kd)
         v_tile = _tile(v_head, cols, dims, stride_vt, stride_vd)
         k = tl.load(k_tile, exists, 0.0)  # (B_k, d_k), padding reads 0
         v = tl.load(v_tile, exists, 0.0)  # (B_k, d_v)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        keep = cols[None, :] < stop  # (1, B_k), broadcast with rows below
+        keep = visible[None, :]  # (1, B_k), broadcast with rows below
         if CAUSAL:  # bottom-right: query i sees keys 0..i + T_k - T_q
             keep = keep & (cols[None, :] <= rows[:, None] + offset)
         scores = tl.where(keep, scores, float("-inf"))  # (B_q, B_k)
@@ -149,8 +175,20 @@ def _finish(m, ell, acc):
 
 
 @triton.jit
+def _add_sink(m, ell, acc, sink):
+    """A learned sink logit (gpt-oss): one more term in ``ell``, with no
+    value, folded in after the keys (the order of the terms of a sum does
+    not matter to the online softmax)."""
+    m_new = tl.maximum(m, sink)  # finite: the sink is
+    rescale = tl.exp(m - m_new)  # 0 for a row that saw no key (m = -inf)
+    ell = rescale * ell + tl.exp(sink - m_new)
+    return m_new, ell, rescale[:, None] * acc
+
+
+@triton.jit
 def _forward_kernel(
     Q, K, V, Out, LSE,  # pointers to the first element of each tensor
+    KeyStart,  # (B,) int32 first key of each row, or None
     stride_qb, stride_qh, stride_qt, stride_qd,  # q's strides, in elements
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -158,7 +196,8 @@ def _forward_kernel(
     num_heads, group, t_q, t_k, scale,
     CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_START: tl.constexpr,
+    Sinks=None, HAS_SINKS: tl.constexpr = False,  # (H,) learned sink logits
 ):  # fmt: skip
     """One program: the output rows of one query tile of one (batch, head)."""
     q_block, batch_head = tl.program_id(0), tl.program_id(1)
@@ -175,11 +214,19 @@ def _forward_kernel(
     stop = t_k
     if CAUSAL:  # key tiles after the tile's last query: skipped
         stop = tl.minimum(t_k, tl.maximum(0, (q_block + 1) * BLOCK_Q + offset))
+    start = 0
+    key_start = 0
+    if HAS_KEY_START:  # key tiles of padding only: skipped
+        key_start = tl.load(KeyStart + b)
+        start = tl.maximum(key_start, 0) // BLOCK_K * BLOCK_K
     m, ell, acc = _attend(
-        q, k_head, v_head, rows, dims, 0, stop, offset, scale,
+        q, k_head, v_head, rows, dims, start, stop, offset, key_start, scale,
         stride_kt, stride_kd, stride_vt, stride_vd,
         CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
+        HAS_KEY_START,
     )  # fmt: skip
+    if HAS_SINKS:
+        m, ell, acc = _add_sink(m, ell, acc, tl.load(Sinks + h).to(tl.float32))
     out, logsumexp = _finish(m, ell, acc)
     out_tile = _tile(Out + b * stride_ob + h * stride_oh, rows, dims,
                      stride_ot, stride_od)  # fmt: skip
@@ -189,14 +236,14 @@ def _forward_kernel(
 
 @triton.jit
 def _split_kv_kernel(
-    Q, K, V, Partial, PartialLSE,
+    Q, K, V, Partial, PartialLSE, KeyStart,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
     num_heads, group, t_q, t_k, keys_per_split, scale,
     CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_START: tl.constexpr,
 ):  # fmt: skip
     """One program: one query tile against one split of the keys.
 
@@ -222,10 +269,17 @@ def _split_kv_kernel(
         stop = tl.minimum(
             stop, tl.maximum(0, (q_block + 1) * BLOCK_Q + offset)
         )
+    key_start = 0
+    if HAS_KEY_START:  # splits start on a tile: so does the padding's end
+        key_start = tl.load(KeyStart + b)
+        start = tl.maximum(
+            start, tl.maximum(key_start, 0) // BLOCK_K * BLOCK_K
+        )
     m, ell, acc = _attend(
-        q, k_head, v_head, rows, dims, start, stop, offset, scale,
+        q, k_head, v_head, rows, dims, start, stop, offset, key_start, scale,
         stride_kt, stride_kd, stride_vt, stride_vd,
         CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
+        HAS_KEY_START,
     )  # fmt: skip
     out, logsumexp = _finish(m, ell, acc)
     part = batch_head * num_splits + split  # partial[b, h, split]
@@ -236,13 +290,13 @@ def _split_kv_kernel(
 
 @triton.jit
 def _backward_dk_dv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV,
+    Q, K, V, DO, LSE, Delta, DK, DV, KeyStart,
     stride_b, stride_h, stride_t, stride_d,  # of q and d_out
     stride_kb, stride_kh, stride_kt, stride_kd,  # of k, v, dk and dv
     num_heads, group, t_q, t_k, scale,
     CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_START: tl.constexpr,
 ):  # fmt: skip
     """One program: dk and dv of one key tile of one key/value head.
 
@@ -254,7 +308,10 @@ def _backward_dk_dv_kernel(
     b, kv = batch_kv // num_kv_heads, batch_kv % num_kv_heads
     cols = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
     dims = tl.arange(0, PADDED_DIM)
-    exists = (cols[:, None] < t_k) & (dims[None, :] < HEAD_DIM)
+    visible = cols < t_k
+    if HAS_KEY_START:  # padding: not loaded, no query sees it
+        visible = visible & (cols >= tl.load(KeyStart + b))
+    exists = visible[:, None] & (dims[None, :] < HEAD_DIM)
     kv_tile = _tile(b * stride_kb + kv * stride_kh, cols, dims,
                     stride_kt, stride_kd)  # fmt: skip
     k = tl.load(K + kv_tile, exists, 0.0)  # (B_k, d_k)
@@ -278,7 +335,7 @@ def _backward_dk_dv_kernel(
             lse = tl.load(LSE + batch_head * t_q + rows, rows < t_q, 0.0)
             delta = tl.load(Delta + batch_head * t_q + rows, rows < t_q, 0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            keep = (rows[:, None] < t_q) & (cols[None, :] < t_k)
+            keep = (rows[:, None] < t_q) & visible[None, :]
             if CAUSAL:
                 keep = keep & (cols[None, :] <= rows[:, None] + offset)
             p = tl.where(keep, tl.exp(scores - lse[:, None]), 0.0)
@@ -289,19 +346,20 @@ def _backward_dk_dv_kernel(
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q,
                          input_precision=PRECISION)  # fmt: skip
     dk = dk * scale
-    tl.store(DK + kv_tile, dk.to(DK.dtype.element_ty), exists)
-    tl.store(DV + kv_tile, dv.to(DV.dtype.element_ty), exists)
+    inside = (cols[:, None] < t_k) & (dims[None, :] < HEAD_DIM)  # padding: 0
+    tl.store(DK + kv_tile, dk.to(DK.dtype.element_ty), inside)
+    tl.store(DV + kv_tile, dv.to(DV.dtype.element_ty), inside)
 
 
 @triton.jit
 def _backward_dq_kernel(
-    Q, K, V, DO, LSE, Delta, DQ,
+    Q, K, V, DO, LSE, Delta, DQ, KeyStart,
     stride_b, stride_h, stride_t, stride_d,  # of q, d_out and dq
     stride_kb, stride_kh, stride_kt, stride_kd,  # of k and v
     num_heads, group, t_q, t_k, scale,
     CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_START: tl.constexpr,
 ):  # fmt: skip
     """One program: dq of one tile of queries, summed over key tiles."""
     q_block, batch_head = tl.program_id(0), tl.program_id(1)
@@ -322,14 +380,22 @@ def _backward_dq_kernel(
     stop = t_k
     if CAUSAL:
         stop = tl.minimum(t_k, tl.maximum(0, (q_block + 1) * BLOCK_Q + offset))
-    for start in range(0, stop, BLOCK_K):
+    first = 0
+    key_start = 0
+    if HAS_KEY_START:  # key tiles of padding only: skipped
+        key_start = tl.load(KeyStart + b)
+        first = tl.maximum(key_start, 0) // BLOCK_K * BLOCK_K
+    for start in range(first, stop, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
-        exists = (cols[:, None] < t_k) & (dims[None, :] < HEAD_DIM)
+        visible = cols < t_k
+        if HAS_KEY_START:
+            visible = visible & (cols >= key_start)
+        exists = visible[:, None] & (dims[None, :] < HEAD_DIM)
         kv_tile = _tile(kv_offset, cols, dims, stride_kt, stride_kd)
         k = tl.load(K + kv_tile, exists, 0.0)  # (B_k, d_k)
         v = tl.load(V + kv_tile, exists, 0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        keep = (rows[:, None] < t_q) & (cols[None, :] < t_k)
+        keep = (rows[:, None] < t_q) & visible[None, :]
         if CAUSAL:
             keep = keep & (cols[None, :] <= rows[:, None] + offset)
         p = tl.where(keep, tl.exp(scores - lse[:, None]), 0.0)
@@ -357,10 +423,11 @@ class Launch:
         self.kernel[self.grid](*self.args, **self.constants)
 
 
-def _constants(q: Tensor, tiles: Tiles, causal: bool) -> dict:
+def _constants(q: Tensor, tiles: Tiles, causal: bool, key_start=None) -> dict:
     d_k = q.shape[-1]
     return {
         "CAUSAL": bool(causal),
+        "HAS_KEY_START": key_start is not None,
         "BLOCK_Q": tiles.block_q,
         "BLOCK_K": tiles.block_k,
         "HEAD_DIM": d_k,
@@ -387,37 +454,48 @@ def _tiles(q, kernel, block_q, block_k, capability) -> Tiles:
     )
 
 
-def forward_launch(q, k, v, out, logsumexp, *, causal, scale, tiles):
-    """The forward kernel's launch: one program per (query tile, b, h)."""
+def forward_launch(
+    q, k, v, out, logsumexp, *, causal, scale, tiles, key_start=None,
+    sinks=None,
+):  # fmt: skip
+    """The forward kernel's launch: one program per (query tile, b, h);
+    ``key_start`` (B,) int32 or None (no padding); ``sinks`` (H,) float32
+    or None."""
     (batch, heads, t_q, _), (kv_heads, t_k) = q.shape, k.shape[1:3]
     grid = (triton.cdiv(t_q, tiles.block_q), batch * heads)
     args = (
-        q, k, v, out, logsumexp,
+        q, k, v, out, logsumexp, key_start,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         heads, heads // kv_heads, t_q, t_k, scale,
     )  # fmt: skip
-    return Launch(_forward_kernel, grid, args, _constants(q, tiles, causal))
+    constants = _constants(q, tiles, causal, key_start)
+    if sinks is not None:
+        constants.update(Sinks=sinks, HAS_SINKS=True)
+    return Launch(_forward_kernel, grid, args, constants)
 
 
 def split_kv_launch(
-    q, k, v, partial, partial_lse, *, causal, scale, tiles, keys_per_split
-):
+    q, k, v, partial, partial_lse, *, causal, scale, tiles, keys_per_split,
+    key_start=None,
+):  # fmt: skip
     """The split-KV kernel's launch: one program per (split, query tile, b,
     h); ``partial`` is (B, H, splits, T_q, d_k) float32."""
     (batch, heads, t_q, _), (kv_heads, t_k) = q.shape, k.shape[1:3]
     splits = partial.shape[2]
     grid = (splits, triton.cdiv(t_q, tiles.block_q), batch * heads)
     args = (
-        q, k, v, partial, partial_lse,
+        q, k, v, partial, partial_lse, key_start,
         *q.stride(), *k.stride(), *v.stride(),
         heads, heads // kv_heads, t_q, t_k, keys_per_split, scale,
     )  # fmt: skip
-    return Launch(_split_kv_kernel, grid, args, _constants(q, tiles, causal))
+    constants = _constants(q, tiles, causal, key_start)
+    return Launch(_split_kv_kernel, grid, args, constants)
 
 
 def backward_launches(
-    q, k, v, d_out, logsumexp, delta, dq, dk, dv, *, causal, scale, tiles
-):
+    q, k, v, d_out, logsumexp, delta, dq, dk, dv, *, causal, scale, tiles,
+    key_start=None,
+):  # fmt: skip
     """The two backward kernels' launches; ``tiles`` maps each kernel's
     name to its :class:`Tiles`. q, d_out, dq share one layout, and k, v,
     dk, dv another."""
@@ -425,18 +503,20 @@ def backward_launches(
     sizes = (heads, heads // kv_heads, t_q, t_k, scale)
     by_keys = tiles["backward_dk_dv"]
     grid = (triton.cdiv(t_k, by_keys.block_k), batch * kv_heads)
-    args = (q, k, v, d_out, logsumexp, delta, dk, dv,
+    args = (q, k, v, d_out, logsumexp, delta, dk, dv, key_start,
             *q.stride(), *k.stride(), *sizes)  # fmt: skip
     dk_dv = Launch(
-        _backward_dk_dv_kernel, grid, args, _constants(q, by_keys, causal)
-    )
+        _backward_dk_dv_kernel, grid, args,
+        _constants(q, by_keys, causal, key_start),
+    )  # fmt: skip
     by_queries = tiles["backward_dq"]
     grid = (triton.cdiv(t_q, by_queries.block_q), batch * heads)
-    args = (q, k, v, d_out, logsumexp, delta, dq,
+    args = (q, k, v, d_out, logsumexp, delta, dq, key_start,
             *q.stride(), *k.stride(), *sizes)  # fmt: skip
     dq_launch = Launch(
-        _backward_dq_kernel, grid, args, _constants(q, by_queries, causal)
-    )
+        _backward_dq_kernel, grid, args,
+        _constants(q, by_queries, causal, key_start),
+    )  # fmt: skip
     return dk_dv, dq_launch
 
 
@@ -453,18 +533,27 @@ def attention_forward(
     scale: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    key_start: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The forward kernel: ``(out, logsumexp)``, (B, H, T_q, d_k), (B, H, T_q).
 
-    The logsumexp is float32 whatever the inputs' dtype.
+    The logsumexp is float32 whatever the inputs' dtype; -inf for a query
+    that sees no key (its output row is zeros). With ``sinks`` (H,) the
+    sinks' terms are in the logsumexp (then ``s_h`` for a query that sees
+    no key).
     """
     scale = _check_inputs(q, k, v, scale, block_q, block_k)
+    key_start = check_key_start(key_start, q)
+    if sinks is not None:
+        sinks = _check_sinks(sinks, q).float().contiguous()
     tiles = _tiles(q, "forward", block_q, block_k, None)
     out = torch.empty_like(q)
     logsumexp = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     forward_launch(
-        q, k, v, out, logsumexp, causal=causal, scale=scale, tiles=tiles
-    )()
+        q, k, v, out, logsumexp, causal=causal, scale=scale, tiles=tiles,
+        key_start=key_start, sinks=sinks,
+    )()  # fmt: skip
     return out, logsumexp
 
 
@@ -480,9 +569,11 @@ def attention_backward(
     scale: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    key_start: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Run the backward kernels: ``(dq, dk, dv)`` of ``sum(d_out * out)``."""
     scale = _check_inputs(q, k, v, scale, block_q, block_k)
+    key_start = check_key_start(key_start, q)
     tiles = {
         name: _tiles(q, name, block_q, block_k, None)
         for name in ("backward_dk_dv", "backward_dq")
@@ -494,7 +585,7 @@ def attention_backward(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for launch in backward_launches(
         q, k, v, d_out, logsumexp, delta, dq, dk, dv,
-        causal=causal, scale=scale, tiles=tiles,
+        causal=causal, scale=scale, tiles=tiles, key_start=key_start,
     ):  # fmt: skip
         launch()
     return dq, dk, dv
@@ -509,6 +600,7 @@ def split_kv_forward(
     scale: float | None = None,
     num_splits: int | None = None,
     block_k: int | None = None,
+    key_start: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Split-KV attention ("Flash-Decoding"): ``(out, logsumexp)``.
 
@@ -516,9 +608,10 @@ def split_kv_forward(
     :func:`default_num_splits`); one program per (split, query tile, batch,
     head) writes its range's output and logsumexp, and
     :func:`merge_partials` merges them. Meant for few queries and a long
-    cache. No gradient.
+    cache. No gradient. ``key_start``: as in :func:`attention_forward`.
     """
     scale = _check_inputs(q, k, v, scale, None, block_k)
+    key_start = check_key_start(key_start, q)
     tiles = _tiles(q, "split_kv", None, block_k, None)
     (batch, heads, t_q, d_k), t_k = q.shape, k.shape[2]
     if num_splits is None:
@@ -534,7 +627,7 @@ def split_kv_forward(
     with torch.no_grad():
         split_kv_launch(
             q, k, v, partial, partial_lse, causal=causal, scale=scale,
-            tiles=tiles, keys_per_split=keys_per_split,
+            tiles=tiles, keys_per_split=keys_per_split, key_start=key_start,
         )()  # fmt: skip
         out, logsumexp = merge_partials(partial, partial_lse)
     return out.to(q.dtype), logsumexp
@@ -564,26 +657,37 @@ def _multiprocessors(device: torch.device) -> int:
     return H100_MULTIPROCESSORS
 
 
+#: Public names of two helpers that :mod:`mha.kernels.paged` shares.
+finish_rows = _finish
+multiprocessors = _multiprocessors
+
+
 class TritonAttention(torch.autograd.Function):
     """The kernels for autograd; saves q, k, v, output and logsumexp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, block_q, block_k):
+    def forward(
+        ctx, q, k, v, causal, scale, block_q, block_k, key_start, sinks=None
+    ):
         settings = dict(
-            causal=causal, scale=scale, block_q=block_q, block_k=block_k
-        )
-        out, logsumexp = attention_forward(q, k, v, **settings)
-        ctx.save_for_backward(q, k, v, out, logsumexp)
+            causal=causal, scale=scale, block_q=block_q, block_k=block_k,
+            key_start=key_start,
+        )  # fmt: skip
+        out, logsumexp = attention_forward(q, k, v, **settings, sinks=sinks)
+        ctx.save_for_backward(q, k, v, out, logsumexp, sinks)
         ctx.settings = settings
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, out, logsumexp = ctx.saved_tensors
+        q, k, v, out, logsumexp, sinks = ctx.saved_tensors
         grads = attention_backward(
             q, k, v, out, logsumexp, d_out, **ctx.settings
-        )
-        return (*grads, None, None, None, None)
+        )  # the sinks' terms are in the logsumexp: the weights come right
+        d_sinks = None
+        if sinks is not None and ctx.needs_input_grad[8]:
+            d_sinks = _sink_gradient(sinks, out, logsumexp, d_out)
+        return (*grads, None, None, None, None, None, d_sinks)
 
 
 def triton_attention(
@@ -595,6 +699,8 @@ def triton_attention(
     scale: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    key_start: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """softmax(q k^T * scale) v by the Triton kernels, differentiable.
 
@@ -609,17 +715,49 @@ def triton_attention(
         scale: default ``1 / sqrt(d_k)``.
         block_q, block_k: tile sizes, powers of two >= 16; default
             :func:`default_tiles`.
+        key_start: (B,) integer tensor on q's device, or None: row b's
+            keys 0..key_start[b] - 1 are padding (a left-padded batch; see
+            :func:`mha.functional.key_start_from_attention_mask`), hidden
+            from its queries and never read. A query that sees no key gets
+            zeros. Any integer is meaningful: <= 0 hides nothing, >= T_k
+            every key.
+        sinks: (H,) learned sink logits (gpt-oss), one more term in each
+            row's softmax with no value (:func:`mha.flash.flash_attention`);
+            differentiable. None: no sinks.
 
     Returns:
         (B, H, T_q, d_k), in the inputs' dtype.
     """
     return TritonAttention.apply(
-        q, k, v, bool(causal), scale, block_q, block_k
+        q, k, v, bool(causal), scale, block_q, block_k, key_start, sinks
     )
 
 
 # ---------------------------------------------------------------------------
 # Argument checks (see mha._validate).
+
+
+def _sink_gradient(sinks, out, logsumexp, d_out) -> Tensor:
+    """d loss / d s_h = -sum over head h's rows of p_sink * delta, with
+    ``p_sink = exp(s_h - logsumexp)`` and ``delta = sum(d_out * out)``: the
+    sink's column carries no value (as in :mod:`mha.flash`)."""
+    delta = (d_out.float() * out.float()).sum(dim=-1)  # (B, H, T_q)
+    p_sink = torch.exp(sinks.float()[:, None] - logsumexp)  # (B, H, T_q)
+    return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)  # (H,)
+
+
+def _check_sinks(sinks: object, q: Tensor) -> Tensor:
+    check_tensor("sinks", sinks, ndim=1, shape=f"(H,) = ({q.shape[1]},)")
+    if sinks.shape[0] != q.shape[1]:
+        raise ValueError(
+            f"sinks must have shape (H,) = ({q.shape[1]},), one logit per "
+            f"query head, got shape {tuple(sinks.shape)}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(
+            f"sinks must be on q's device {q.device}, got {sinks.device}"
+        )
+    return sinks
 
 
 def _check_inputs(q, k, v, scale, block_q, block_k) -> float:

@@ -52,18 +52,21 @@ class Tiles:
     num_stages: int  # loads kept in flight by Triton's software pipelining
 
 
-#: The kernels, by the names the inspection reports.
-KERNELS = ("forward", "backward_dk_dv", "backward_dq", "split_kv")
+#: The kernels, by the names the inspection reports (``paged``:
+#: :mod:`mha.kernels.paged`, whose rows are a group's query heads).
+KERNELS = ("forward", "backward_dk_dv", "backward_dq", "split_kv", "paged")
 
 # Default tiles, chosen by compiling every kernel ahead of time (python -m
 # mha.kernels --inspect) so that no build spills registers to local memory
-# (at d_k 64, 80, 96, 128, 192 and 256, causal or not: 288 builds) and every
-# program's shared memory fits the GPU:
+# (at d_k 64, 80, 96, 128, 192 and 256, causal or not, with per-row key
+# starts or not) and every program's shared memory fits the GPU:
 # (kernel, arch, bytes per element, padded head size) -> Tiles. Float32
 # products are computed in full float32 by the CUDA cores (no tensor cores),
 # which needs far more registers: smaller tiles, more warps. "sm_80" also
 # serves the GPUs other than sm_90; every sm_80 build fits the 99 KB of
-# shared memory that sm_86 and sm_89 allow a program.
+# shared memory that sm_86 and sm_89 allow a program. The paged kernel, a
+# split-KV kernel that gathers its keys through a block table, takes the
+# split-KV kernel's tiles.
 _TILES = {
     # 16-bit inputs (float16, bfloat16)
     ("forward", "sm_80", 2, 64): Tiles(128, 64, 4, 3),
@@ -73,11 +76,17 @@ _TILES = {
     ("forward", "sm_90", 2, 128): Tiles(128, 64, 8, 3),
     ("forward", "sm_90", 2, 256): Tiles(64, 64, 8, 2),
     ("split_kv", "sm_80", 2, 64): Tiles(16, 64, 4, 3),
+    ("paged", "sm_80", 2, 64): Tiles(16, 64, 4, 3),
     ("split_kv", "sm_80", 2, 128): Tiles(16, 64, 4, 3),
+    ("paged", "sm_80", 2, 128): Tiles(16, 64, 4, 3),
     ("split_kv", "sm_80", 2, 256): Tiles(16, 32, 4, 2),
+    ("paged", "sm_80", 2, 256): Tiles(16, 32, 4, 2),
     ("split_kv", "sm_90", 2, 64): Tiles(16, 64, 4, 3),
+    ("paged", "sm_90", 2, 64): Tiles(16, 64, 4, 3),
     ("split_kv", "sm_90", 2, 128): Tiles(16, 64, 4, 3),
+    ("paged", "sm_90", 2, 128): Tiles(16, 64, 4, 3),
     ("split_kv", "sm_90", 2, 256): Tiles(16, 32, 4, 2),
+    ("paged", "sm_90", 2, 256): Tiles(16, 32, 4, 2),
     ("backward_dk_dv", "sm_80", 2, 64): Tiles(32, 64, 8, 2),
     ("backward_dk_dv", "sm_80", 2, 128): Tiles(32, 64, 8, 2),
     ("backward_dk_dv", "sm_80", 2, 256): Tiles(16, 32, 8, 2),
@@ -92,21 +101,27 @@ _TILES = {
     ("backward_dq", "sm_90", 2, 256): Tiles(32, 16, 8, 2),
     # float32 inputs: twice the bytes per element, smaller tiles
     ("forward", "sm_80", 4, 64): Tiles(64, 32, 8, 2),
-    ("forward", "sm_80", 4, 128): Tiles(64, 32, 8, 2),
+    ("forward", "sm_80", 4, 128): Tiles(32, 32, 8, 2),
     ("forward", "sm_80", 4, 256): Tiles(32, 16, 8, 2),
     ("forward", "sm_90", 4, 64): Tiles(64, 32, 8, 2),
     ("forward", "sm_90", 4, 128): Tiles(64, 16, 8, 2),
-    ("forward", "sm_90", 4, 256): Tiles(32, 32, 8, 2),
+    ("forward", "sm_90", 4, 256): Tiles(32, 16, 8, 2),
     ("split_kv", "sm_80", 4, 64): Tiles(16, 32, 4, 2),
+    ("paged", "sm_80", 4, 64): Tiles(16, 32, 4, 2),
     ("split_kv", "sm_80", 4, 128): Tiles(16, 16, 4, 2),
+    ("paged", "sm_80", 4, 128): Tiles(16, 16, 4, 2),
     ("split_kv", "sm_80", 4, 256): Tiles(16, 16, 8, 2),
+    ("paged", "sm_80", 4, 256): Tiles(16, 16, 8, 2),
     ("split_kv", "sm_90", 4, 64): Tiles(16, 32, 4, 2),
+    ("paged", "sm_90", 4, 64): Tiles(16, 32, 4, 2),
     ("split_kv", "sm_90", 4, 128): Tiles(16, 16, 4, 2),
+    ("paged", "sm_90", 4, 128): Tiles(16, 16, 4, 2),
     ("split_kv", "sm_90", 4, 256): Tiles(16, 16, 4, 2),
-    ("backward_dk_dv", "sm_80", 4, 64): Tiles(32, 32, 8, 2),
+    ("paged", "sm_90", 4, 256): Tiles(16, 16, 4, 2),
+    ("backward_dk_dv", "sm_80", 4, 64): Tiles(32, 16, 8, 2),
     ("backward_dk_dv", "sm_80", 4, 128): Tiles(16, 16, 8, 2),
     ("backward_dk_dv", "sm_80", 4, 256): Tiles(16, 16, 8, 1),
-    ("backward_dk_dv", "sm_90", 4, 64): Tiles(32, 32, 8, 2),
+    ("backward_dk_dv", "sm_90", 4, 64): Tiles(32, 16, 8, 2),
     ("backward_dk_dv", "sm_90", 4, 128): Tiles(16, 16, 8, 2),
     ("backward_dk_dv", "sm_90", 4, 256): Tiles(16, 16, 8, 1),
     ("backward_dq", "sm_80", 4, 64): Tiles(32, 32, 8, 2),

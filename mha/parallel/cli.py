@@ -94,7 +94,7 @@ def run_benchmark(
         timeout=timeout,
         seed=0,
     )
-    from ..bench.environment import environment
+    from ..environment import environment
 
     env = environment(device, dtype)  # load average at the start
     runs = []

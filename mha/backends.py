@@ -1,0 +1,500 @@
+"""Attention backends: one signature, registered by name, each with its masks.
+
+A backend computes softmax(q k^T / sqrt(d_k)) v for q (B, H, T_q, d_k) and
+k, v (B, H_kv, T_k, d_k), ``H_kv`` dividing ``H`` (query head h reads
+key/value head h // (H / H_kv)), under a :class:`Masking`: what the call
+must hide, written once for every backend. The model (:mod:`mha.model`)
+never knows which backend runs (transformers' ``AttentionInterface`` works
+so). Unlike a registration that forgets the mask (transformers PR #45811),
+every backend here declares the kinds of mask it takes, and
+:func:`attend` refuses, by name, a call that needs another: a backend never
+runs without a mask it was given.
+
+The kinds (:data:`MASK_KINDS`): ``causal`` (query i sees keys up to its own
+position), ``window`` (and only the ``window`` newest of them),
+``padding`` (a (B, T_k) key-padding mask: False at a pad), ``dense`` (any
+boolean mask broadcastable to (B, H, T_q, T_k)) and ``offset`` (the
+queries' position and the keys written are tensors: a compiled decode step
+over a whole preallocated cache). A mask that hides nothing is no kind: a
+single newest query needs no causal mask, a window wider than every
+distance no window.
+
+Backends: ``eager`` (the written-out softmax, :func:`grouped_attention`, which
+:mod:`mha.decoding` re-exports), ``sdpa`` (``F.scaled_dot_product_attention``),
+``tiled`` (:func:`mha.flash_attention_torch`), ``triton`` (the Triton
+kernels, :mod:`mha.kernels`; split-KV for a single query) and ``flex``
+(FlexAttention with chapter 15's mask functions, :mod:`mha.variants`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._validate import check_same, check_tensor
+
+__all__ = [
+    "MASK_KINDS",
+    "Masking",
+    "Backend",
+    "BACKENDS",
+    "register",
+    "attention_backends",
+    "get_backend",
+    "attend",
+    "check_qkv",
+    "grouped_attention",
+    "register_transformers_backends",
+]
+
+MASK_KINDS = ("causal", "window", "padding", "dense", "offset")
+
+
+@dataclasses.dataclass(frozen=True)
+class Masking:
+    """What one attention call hides, in the keys' index (0 .. T_k - 1).
+
+    The queries are the newest: query i stands at key index ``q_offset +
+    i`` (default ``T_k - T_q``, aligned bottom-right). ``causal``: it sees
+    keys up to its own index; ``window``: only keys j with ``i' - j <
+    window`` (i' its index; Mistral's sliding window); ``padding`` (B, T_k)
+    bool, False at a pad key; ``dense`` bool broadcastable to (B, H, T_q,
+    T_k), True = may attend; ``key_end``: keys from this index on are not
+    written yet (a compiled step reads a whole preallocated cache).
+    """
+
+    causal: bool = True
+    window: int | None = None
+    q_offset: int | Tensor | None = None
+    key_end: int | Tensor | None = None
+    padding: Tensor | None = None
+    dense: Tensor | None = None
+
+    def offset(self, t_q: int, t_k: int) -> int | Tensor:
+        """The key index of the first query."""
+        return t_k - t_q if self.q_offset is None else self.q_offset
+
+    def kinds(self, t_q: int, t_k: int) -> set[str]:
+        """The kinds of mask this call needs (see the module)."""
+        offset = self.offset(t_q, t_k)
+        kinds = set()
+        if isinstance(offset, Tensor) or isinstance(self.key_end, Tensor):
+            kinds.add("offset")
+        elif self.key_end is not None and self.key_end < t_k:
+            kinds.add("offset")
+        newest = not isinstance(offset, Tensor) and offset + t_q == t_k
+        if self.causal and not (newest and t_q == 1):
+            kinds.add("causal")
+        span = t_k if isinstance(offset, Tensor) else offset + t_q
+        if self.window is not None and self.window < span:
+            kinds.add("window")
+        if self.padding is not None:
+            kinds.add("padding")
+        if self.dense is not None:
+            kinds.add("dense")
+        return kinds
+
+    def keep(self, t_q: int, t_k: int, device: torch.device) -> Tensor | None:
+        """The mask written out: bool (B or 1, 1 or H, T_q, T_k), True = may
+        attend; None where nothing is hidden."""
+        kinds = self.kinds(t_q, t_k)
+        if not kinds:
+            return None
+        key = torch.arange(t_k, device=device)  # (T_k,)
+        query = self.offset(t_q, t_k) + torch.arange(t_q, device=device)
+        keep = torch.ones(t_q, t_k, dtype=torch.bool, device=device)
+        if "causal" in kinds:
+            keep = keep & (key[None, :] <= query[:, None])  # (T_q, T_k)
+        if "window" in kinds:
+            keep = keep & (query[:, None] - key[None, :] < self.window)
+        if self.key_end is not None:
+            keep = keep & (key < self.key_end)[None, :]
+        keep = keep[None, None]  # (1, 1, T_q, T_k)
+        if self.padding is not None:
+            keep = keep & self.padding[:, None, None, :t_k]  # (B, 1, ., T_k)
+        if self.dense is not None:
+            keep = keep & self.dense
+        return keep
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A registered backend: its function and the kinds of mask it takes."""
+
+    name: str
+    function: Callable[[Tensor, Tensor, Tensor, Masking], Tensor]
+    masks: frozenset[str]
+    summary: str
+
+
+#: name -> :class:`Backend`, in the order of registration.
+BACKENDS: dict[str, Backend] = {}
+
+
+def register(name: str, *, masks: tuple[str, ...], summary: str):
+    """Decorator: ``function(q, k, v, masking) -> out`` as backend ``name``,
+    taking the kinds of mask ``masks`` (of :data:`MASK_KINDS`)."""
+    unknown = set(masks) - set(MASK_KINDS)
+    if unknown:
+        raise ValueError(f"masks must be among {MASK_KINDS}, got {unknown}")
+
+    def add(function):
+        BACKENDS[name] = Backend(name, function, frozenset(masks), summary)
+        return function
+
+    return add
+
+
+def attention_backends() -> tuple[str, ...]:
+    """The names of the registered backends."""
+    return tuple(BACKENDS)
+
+
+def get_backend(name: str) -> Backend:
+    """The backend registered as ``name``; ValueError naming the others."""
+    if name not in BACKENDS:
+        raise ValueError(
+            f"attn_backend must be one of {', '.join(map(repr, BACKENDS))}, "
+            f"got {name!r}"
+        )
+    return BACKENDS[name]
+
+
+def attend(
+    name: str, q: Tensor, k: Tensor, v: Tensor, masking: Masking
+) -> Tensor:
+    """Attention by backend ``name``: (B, H, T_q, d_k), after one check of
+    q, k, v (:func:`check_qkv`) and of the mask kinds the backend takes."""
+    backend = get_backend(name)
+    check_qkv(q, k, v)
+    needed = masking.kinds(q.shape[2], k.shape[2]) - backend.masks
+    if needed:
+        raise ValueError(
+            f"the {name!r} attention backend takes no {sorted(needed)} mask "
+            f"(it takes {sorted(backend.masks) or 'none'}): choose another "
+            f"backend, of {attention_backends()}"
+        )
+    return backend.function(q, k, v, masking)
+
+
+def check_qkv(q: object, k: object, v: object) -> None:
+    """The one check of attention's inputs, for every backend: q (B, H,
+    T_q, d_k), k and v (B, H_kv, T_k, d_k), H_kv dividing H; one floating
+    dtype, one device."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, ndim=4, shape="(B, H, T, d_k)")
+    check_same("q, k and v", (q, k, v))
+    if (
+        k.shape != v.shape
+        or q.shape[0] != k.shape[0]
+        or q.shape[3] != k.shape[3]
+        or q.shape[1] % k.shape[1]
+    ):
+        raise ValueError(
+            "q must have shape (B, H, T_q, d_k) and k, v (B, H_kv, T_k, "
+            f"d_k) with H_kv dividing H, got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+
+
+# ---------------------------------------------------------------------------
+# The backends
+
+
+def grouped_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    keep: Tensor | None = None,
+    *,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """softmax(q k^T / sqrt(d_k)) v, each key/value head serving G query heads.
+
+    q (B, H, T_q, d_k); k, v (B, H_kv, T_k, d_k); ``keep`` a boolean mask
+    broadcastable to (B, H, T_q, T_k), ``True`` where a query may attend.
+    Query head ``h`` reads key/value head ``h // G`` (``transformers``'
+    ``repeat_kv`` order), without copying the keys and values G times.
+    A query with no key to attend gets zeros. Returns (B, H, T_q, d_k).
+    """
+    H_kv, G = k.shape[1], q.shape[1] // k.shape[1]
+    q = q.unflatten(1, (H_kv, G))  # (B, H_kv, G, T_q, d_k)
+    scores = torch.einsum("bkgqd,bksd->bkgqs", q, k) / math.sqrt(q.shape[-1])
+    if keep is not None:  # scores: (B, H_kv, G, T_q, T_k)
+        scores = scores.masked_fill(~_grouped(keep, H_kv, G), -math.inf)
+    weights = torch.softmax(scores, dim=-1)  # (B, H_kv, G, T_q, T_k)
+    if keep is not None:  # a row without keys is 0/0: make it zeros
+        weights = weights.nan_to_num(0.0)
+    weights = F.dropout(weights, p=dropout_p)
+    heads = torch.einsum("bkgqs,bksd->bkgqd", weights, v)
+    return heads.flatten(1, 2)  # (B, H, T_q, d_k)
+
+
+def _grouped(keep: Tensor, num_kv_heads: int, group: int) -> Tensor:
+    """A mask broadcastable to (B, H, T_q, T_k) -> (B or 1, H_kv, G, ...)."""
+    keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
+    if keep.shape[1] == 1:  # the same for every head
+        return keep.unsqueeze(2)  # (B or 1, 1, 1, T_q or 1, T_k)
+    return keep.unflatten(1, (num_kv_heads, group))  # (., H_kv, G, ., T_k)
+
+
+@register("eager", masks=MASK_KINDS, summary="softmax(QK^T/sqrt(d))V")
+def eager(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
+    """The book's written-out attention; a row with no key gets zeros."""
+    return grouped_attention(
+        q, k, v, masking.keep(q.shape[2], k.shape[2], q.device)
+    )
+
+
+@register("sdpa", masks=MASK_KINDS, summary="F.scaled_dot_product_attention")
+def sdpa(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
+    """torch's fused attention; a row with no key gets zeros (SDPA alone
+    would give NaN, which a pad's keys would carry into later layers)."""
+    t_q, t_k = q.shape[2], k.shape[2]
+    kinds = masking.kinds(t_q, t_k)
+    if kinds == {"causal"} and t_q == t_k:  # SDPA's own (top-left) flag
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        )
+    keep = masking.keep(t_q, t_k, q.device)
+    seen = None
+    if kinds & {"padding", "dense", "offset"}:  # rows may have no key
+        seen = keep.any(dim=-1, keepdim=True)  # (B or 1, ., T_q, 1)
+        keep = keep | ~seen
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=keep, enable_gqa=True
+    )
+    return out if seen is None else out * seen
+
+
+@register(
+    "tiled",
+    masks=("causal", "window", "padding"),
+    summary="mha.flash_attention_torch",
+)
+def tiled(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
+    """The tiled online softmax in torch (chapter 13)."""
+    from .flash import flash_attention_torch
+
+    def run(q, k, v, causal, key_start):
+        out, _ = flash_attention_torch(
+            q, k, v, causal=causal, key_start=key_start
+        )
+        return out
+
+    return _sliced(run, q, k, v, masking)
+
+
+@register(
+    "triton",
+    masks=("causal", "window", "padding"),
+    summary="mha.kernels (Triton)",
+)
+def triton(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
+    """The Triton kernels (chapter 13): the tiled forward, the split-KV
+    kernel for a single query; Triton's interpreter on CPU tensors (there
+    with two splits: the interpreter runs one program after the other, and
+    two already merge partial results)."""
+    from . import kernels
+
+    def run(q, k, v, causal, key_start):
+        if q.shape[2] == 1:  # a decoding step: the keys split across programs
+            return kernels.triton_split_kv_attention(
+                q, k, v, causal=causal, key_start=key_start,
+                num_splits=2 if kernels.INTERPRETED else None,
+            )  # fmt: skip
+        return kernels.triton_attention(
+            q, k, v, causal=causal, key_start=key_start
+        )
+
+    return _sliced(run, q, k, v, masking)
+
+
+def _sliced(run, q: Tensor, k: Tensor, v: Tensor, masking: Masking):
+    """A kernel that takes bottom-right causal attention and a key start per
+    row (left padding) only, under a window too: each query then attends to
+    its ``window`` newest keys, one query at a time (a decoding step is one
+    query). ``run(q, k, v, causal, key_start) -> out``."""
+    from .functional import key_start_from_attention_mask
+
+    t_q, t_k = q.shape[2], k.shape[2]
+    kinds = masking.kinds(t_q, t_k)
+    offset = masking.offset(t_q, t_k)
+    if offset != t_k - t_q:
+        raise ValueError(
+            "q_offset must be T_k - T_q (the queries are the newest) for a "
+            f"tiled kernel, got {offset} with T_q, T_k = {t_q}, {t_k}"
+        )
+    key_start = None
+    if masking.padding is not None:  # (B,) int32: each row's first key
+        padding = masking.padding[:, :t_k]
+        key_start = key_start_from_attention_mask(padding).to(q.device)
+    if "window" not in kinds:
+        return run(q, k, v, "causal" in kinds, key_start)
+    heads = []  # each query attends alone to its window of newest keys
+    chunk = max(1, 2**22 // (masking.window * k.shape[1] * k.shape[3]))
+    for first in range(0, t_q, chunk):
+        rows = range(first, min(first + chunk, t_q))
+        heads.append(_windows(run, q, k, v, masking.window, offset, rows,
+                              key_start))  # fmt: skip
+    return torch.cat(heads, dim=2)
+
+
+def _windows(run, q, k, v, window: int, offset: int, rows: range, key_start):
+    """Queries ``rows`` as rows of their own, each with its ``window``
+    keys (gathered: a single newest query, no causal mask), in one call.
+    ``key_start`` (B,) or None: the pads before each row's first key."""
+    B, H, _, d_k = q.shape
+    ends = offset + torch.arange(rows.start, rows.stop) + 1  # (n,) past own
+    index = ends[:, None] - window + torch.arange(window)  # (n, W) keys
+    keys = index.clamp(min=0).to(k.device)
+    k_rows = k[:, :, keys].transpose(1, 2).flatten(0, 1)  # (B n, H_kv, W, d)
+    v_rows = v[:, :, keys].transpose(1, 2).flatten(0, 1)
+    q_rows = q[:, :, rows.start : rows.stop].transpose(1, 2)  # (B, n, H, d)
+    q_rows = q_rows.flatten(0, 1)[:, :, None]  # (B n, H, 1, d_k)
+    real = (
+        torch.zeros(B, dtype=torch.int64)
+        if key_start is None
+        else (key_start.cpu().to(torch.int64))
+    )  # first real key of each row
+    starts = (real[:, None] - index[None, :, 0]).clamp(min=0)  # (B, n)
+    starts = starts.flatten().to(torch.int32).to(q.device)
+    out = run(q_rows, k_rows, v_rows, False, starts)  # (B n, H, 1, d_k)
+    return out[:, :, 0].unflatten(0, (B, len(rows))).transpose(1, 2)
+
+
+@register("flex", masks=MASK_KINDS[:4], summary="FlexAttention, mask_mods")
+def flex(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
+    """FlexAttention under one mask_mod built from the masking, with
+    chapter 15's functions (:func:`mha.variants.causal`,
+    :func:`mha.variants.sliding_window`): compiled on a GPU, its unfused
+    form on the CPU (the same functions on every score)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from . import variants
+
+    t_q, t_k = q.shape[2], k.shape[2]
+    kinds = masking.kinds(t_q, t_k)
+    offset = torch.tensor(masking.offset(t_q, t_k), device=q.device)
+    parts = []
+    if "window" in kinds:
+        parts.append(variants.sliding_window(masking.window))
+    elif "causal" in kinds:
+        parts.append(variants.causal)
+    if masking.padding is not None:
+        padding = masking.padding[:, :t_k].to(q.device)
+        parts.append(lambda b, h, q_idx, kv_idx: padding[b, kv_idx])
+    if masking.dense is not None:
+        dense = masking.dense.expand(q.shape[0], q.shape[1], t_q, t_k)
+        parts.append(lambda b, h, q_idx, kv_idx: dense[b, h, q_idx - offset,
+                                                       kv_idx])  # fmt: skip
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        at = q_idx + offset  # the query's key index
+        keep = kv_idx >= 0
+        for part in parts:
+            keep = keep & part(b, h, at, kv_idx)
+        return keep
+
+    per_row = masking.padding is not None or masking.dense is not None
+    heads = q.shape[1] if masking.dense is not None else None
+    mask = create_block_mask(
+        mask_mod,
+        q.shape[0] if per_row else None,
+        heads,
+        t_q,
+        t_k,
+        device=q.device,
+        BLOCK_SIZE=128,
+    )
+    return variants.flex(
+        q, k, v, block_mask=mask, q_offset=0, compiled=q.is_cuda
+    )
+
+
+# ---------------------------------------------------------------------------
+# The backends in transformers' models
+
+
+#: transformers' names of the backends it may run (no "flash" in a name:
+#: transformers reads such a name as a kernel to fetch from its hub).
+TRANSFORMERS_NAMES = {"mha_tiled": "tiled", "mha_triton": "triton",
+                      "mha_flex": "flex"}  # fmt: skip
+
+
+def register_transformers_backends() -> tuple[str, ...]:
+    """Register ``mha_tiled``, ``mha_triton`` and ``mha_flex`` in
+    transformers' ``AttentionInterface``, each with its mask function in
+    ``AttentionMaskInterface``, so that ``AutoModelForCausalLM
+    .from_config(config, attn_implementation="mha_triton")`` runs our
+    kernels. The mask function hands the attention function the key-padding
+    mask (B, T_k), as flash-attention's does; the attention function adds
+    the layer's causal flag and sliding window (:class:`Masking`), so no
+    mask is dropped. Returns the names."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    for hf_name, name in TRANSFORMERS_NAMES.items():
+        AttentionInterface.register(hf_name, _transformers_attention(name))
+        AttentionMaskInterface.register(hf_name, _key_padding_mask)
+    return tuple(TRANSFORMERS_NAMES)
+
+
+def _transformers_attention(name: str):
+    """transformers' attention signature around backend ``name``."""
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0,
+                  scaling=None, sliding_window=None, is_causal=None,
+                  **kwargs):  # fmt: skip
+        d_k = query.shape[-1]
+        refused = {
+            "dropout": dropout if module.training and dropout else None,
+            "scaling": None if scaling in (None, d_k**-0.5) else scaling,
+            "softcap": kwargs.get("softcap"),
+            "s_aux": kwargs.get("s_aux"),  # learned sinks
+        }
+        refused = {k: v for k, v in refused.items() if v is not None}
+        if refused:
+            raise ValueError(
+                f"the {name!r} backend does not implement {refused}"
+            )
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(
+                f"the {name!r} backend takes its own mask function's (B, "
+                f"T_k) key-padding mask, got shape "
+                f"{tuple(attention_mask.shape)}"
+            )
+        if attention_mask is not None and (
+            attention_mask.shape[1] != key.shape[2]
+        ):
+            raise ValueError(
+                f"attention_mask covers {attention_mask.shape[1]} keys, the "
+                f"cache returned {key.shape[2]} (a static cache's unwritten "
+                f"slots are not served by {name!r}: use a DynamicCache)"
+            )
+        causal = getattr(module, "is_causal", True)
+        masking = Masking(
+            causal=causal if is_causal is None else bool(is_causal),
+            window=sliding_window,
+            padding=attention_mask,
+        )
+        out = attend(name, query, key, value, masking)  # (B, H, T, d_k)
+        return out.transpose(1, 2).contiguous(), None  # (B, T, H, d_k)
+
+    return attention
+
+
+def _key_padding_mask(batch_size, q_length, kv_length, q_offset=0,
+                      kv_offset=0, mask_function=None, attention_mask=None,
+                      **kwargs):  # fmt: skip
+    """transformers' mask function: the (B, kv_length) key-padding mask of
+    the newest keys, bool, or None where no key is a pad."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, -kv_length:].to(torch.bool)
+    return None if bool(mask.all()) else mask

@@ -1,0 +1,296 @@
+"""One reader of transformers' configurations, for the layer and the model.
+
+:func:`read_config` takes a ``LlamaConfig``, ``MistralConfig``,
+``Qwen2Config`` or ``Qwen3Config``, the same ``config.json`` as a dict, or
+any object with those fields, and returns a :class:`ModelConfig`: every
+field either read (and implemented by :class:`mha.GroupedQueryAttention` or
+:class:`mha.CausalLM`), known not to change what the model computes (token
+ids, initialisation, output switches), or refused with a ``ValueError`` that
+names it. A field it does not know is refused unless it is switched off
+(None, False or 0): never silently ignored, since a model that ignores a
+field of its configuration (Gemma 2's ``attn_logit_softcapping``, a
+``partial_rotary_factor``) computes something else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from ._validate import check_int
+from .positions import Rope
+
+__all__ = ["MODEL_TYPES", "LAYER_ONLY_TYPES", "ModelConfig", "read_config"]
+
+#: The families read: their layers differ only in the fields read here.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+#: Families whose attention layers are read (``read_config(..., layer=True)``,
+#: for :meth:`mha.GroupedQueryAttention.from_config`) but not the model: their
+#: feed-forward is a mixture of experts. gpt-oss: learned sinks, biases, a
+#: window on every other layer.
+LAYER_ONLY_TYPES = ("gpt_oss",)
+
+#: Their mixture of experts' fields: the model's, not an attention layer's.
+EXPERT_FIELDS = frozenset(
+    "num_local_experts num_experts_per_tok swiglu_alpha swiglu_limit "
+    "router_aux_loss_coef output_router_logits".split()
+)
+
+#: Fields that do not change what the model computes: ids, initialisation,
+#: bookkeeping and output switches of transformers' configurations.
+INERT_FIELDS = frozenset(
+    "_name_or_path architectures bos_token_id chunk_size_feed_forward dtype "
+    "id2label initializer_range is_encoder_decoder label2id "
+    "output_attentions output_hidden_states problem_type "
+    "return_dict tokenizer_class torch_dtype transformers_version use_cache "
+    "max_window_layers use_sliding_window model_type".split()
+)
+
+#: Fields read (and implemented).
+READ_FIELDS = frozenset(
+    "vocab_size hidden_size intermediate_size num_hidden_layers "
+    "num_attention_heads num_key_value_heads head_dim hidden_act "
+    "rms_norm_eps rope_parameters rope_scaling rope_theta "
+    "max_position_embeddings attention_bias attention_dropout mlp_bias "
+    "tie_word_embeddings sliding_window layer_types eos_token_id pad_token_id "
+    "pretraining_tp".split()
+)
+
+#: Fields read only where they hold their neutral value: field -> the test.
+NEUTRAL = {
+    "pretraining_tp": lambda value, fields: value in (None, 1),
+    "query_pre_attn_scalar": lambda value, fields: (
+        value
+        in (
+            None,
+            fields.get("head_dim"),
+        )
+    ),
+    "partial_rotary_factor": lambda value, fields: value in (None, 1, 1.0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """What the layer and the model build from, read and checked.
+
+    ``qkv_bias`` and ``o_bias``: biases on q/k/v and on o (Qwen2: True,
+    False). ``qk_norm``: an RMSNorm over each head's queries and keys
+    (Qwen3). ``windows``: per layer, the sliding window or None.
+    ``sliding_window``: the window of the layers that have one.
+    ``eos_token_ids``: the ids that end a row. ``sinks``: a learned sink
+    logit per head (gpt-oss). The model's own fields
+    (``vocab_size``, ``intermediate_size``, ``num_hidden_layers``) are None
+    where a configuration for one layer leaves them out.
+    """
+
+    model_type: str
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope: Rope
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    attention_dropout: float = 0.0
+    vocab_size: int | None = None
+    intermediate_size: int | None = None
+    num_hidden_layers: int | None = None
+    rms_norm_eps: float = 1e-6
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    windows: tuple[int | None, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    sinks: bool = False
+
+    def require(self, *names: str) -> None:
+        """Raise ValueError naming the first of ``names`` that is None."""
+        for name in names:
+            if getattr(self, name) is None:
+                raise ValueError(f"config must give {name}, got none")
+
+
+def read_config(config: object, *, layer: bool = False) -> ModelConfig:
+    """The :class:`ModelConfig` of a transformers configuration or dict.
+
+    ``layer=True``: for one attention layer, which also reads the families
+    of :data:`LAYER_ONLY_TYPES` (their experts' fields are not its own).
+    Raises ValueError naming every field that is not implemented, TypeError
+    for a config that is neither a mapping nor an object with fields.
+    """
+    fields = _as_dict(config)
+    model_type = fields.get("model_type") or "llama"
+    for name in ("hidden_size", "num_attention_heads"):
+        if fields.get(name) is None:
+            raise ValueError(f"config must give {name}, got none")
+    hidden = check_int("hidden_size", fields["hidden_size"])
+    heads = check_int("num_attention_heads", fields["num_attention_heads"])
+    head_dim = check_int("head_dim", fields.get("head_dim") or hidden // heads)
+    _refuse_unknown({**fields, "head_dim": head_dim}, model_type, layer)
+    bias = bool(fields.get("attention_bias", False))
+    qkv_bias, o_bias = {"qwen2": (True, False), "mistral": (False, False)}.get(
+        model_type, (bias, bias)
+    )  # what transformers' attention layers of each family hold
+    window = _window(fields, model_type)
+    layers = _optional_int(fields, "num_hidden_layers")
+    return ModelConfig(
+        model_type=model_type,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=check_int(
+            "num_key_value_heads", fields.get("num_key_value_heads") or heads
+        ),
+        head_dim=head_dim,
+        rope=_rope(fields),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        qk_norm=model_type == "qwen3",
+        attention_dropout=float(fields.get("attention_dropout") or 0.0),
+        vocab_size=_optional_int(fields, "vocab_size"),
+        intermediate_size=_optional_int(fields, "intermediate_size"),
+        num_hidden_layers=layers,
+        rms_norm_eps=float(fields.get("rms_norm_eps") or 1e-6),
+        mlp_bias=bool(fields.get("mlp_bias", False)),
+        tie_word_embeddings=bool(fields.get("tie_word_embeddings", False)),
+        sliding_window=window,
+        windows=_windows(fields, model_type, layers, window),
+        eos_token_ids=_eos(fields.get("eos_token_id")),
+        pad_token_id=_optional_int(fields, "pad_token_id", minimum=0),
+        sinks=model_type == "gpt_oss",
+    )
+
+
+def _as_dict(config: object) -> dict:
+    if isinstance(config, Mapping):
+        return dict(config)
+    if hasattr(config, "to_dict"):  # a transformers PreTrainedConfig
+        return config.to_dict()
+    if hasattr(config, "__dict__"):
+        return dict(vars(config))
+    raise TypeError(
+        "config must be a transformers configuration, a dict or an object "
+        f"with its fields, got {type(config).__name__}"
+    )
+
+
+def _refuse_unknown(fields: dict, model_type: str, layer: bool) -> None:
+    """One ValueError naming every field that is not implemented."""
+    refused = []
+    if layer and model_type in LAYER_ONLY_TYPES:
+        fields = {k: v for k, v in fields.items() if k not in EXPERT_FIELDS}
+    elif model_type in LAYER_ONLY_TYPES:
+        refused.append(
+            f"model_type = {model_type!r} (its mixture-of-experts "
+            "feed-forward is not implemented; GroupedQueryAttention."
+            "from_config reads its attention layers)"
+        )
+    elif model_type not in MODEL_TYPES:
+        refused.append(f"model_type = {model_type!r} (read: {MODEL_TYPES})")
+    for name, value in sorted(fields.items()):
+        if name in NEUTRAL:
+            if not NEUTRAL[name](value, fields):
+                refused.append(f"{name} = {value!r}")
+        elif name == "sliding_window" and model_type == "llama":
+            if value is not None:  # Llama has no window: transformers
+                refused.append(f"{name} = {value!r} (a Llama has none)")
+        elif (
+            name in ("mlp_bias", "attention_bias")
+            and value
+            and (
+                model_type != "llama"
+                and (name, model_type)
+                not in (
+                    ("attention_bias", "qwen3"),
+                    ("attention_bias", "gpt_oss"),
+                )
+            )
+        ):  # transformers' layers of this family hold no such biases
+            refused.append(f"{name} = {value!r} (not in {model_type})")
+        elif name == "hidden_act" and value != "silu":
+            refused.append(f"{name} = {value!r} (SwiGLU: 'silu')")
+        elif name not in INERT_FIELDS | READ_FIELDS and value not in (
+            None,
+            False,
+            0,
+        ):
+            refused.append(f"{name} = {value!r}")
+    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+    partial = dict(rope).get("partial_rotary_factor")
+    if not NEUTRAL["partial_rotary_factor"](partial, fields):
+        refused.append(f"partial_rotary_factor = {partial!r}")
+    if refused:
+        raise ValueError(
+            "config fields not implemented: " + "; ".join(refused)
+        )
+
+
+def _rope(fields: dict) -> Rope:
+    """RoPE from ``rope_parameters`` (transformers 5) or, as transformers 4
+    and checkpoints' config.json write it, ``rope_scaling`` and a top-level
+    ``rope_theta``."""
+    parameters = fields.get("rope_parameters") or fields.get("rope_scaling")
+    parameters = dict(parameters or {})
+    if "type" in parameters and "rope_type" not in parameters:  # older key
+        parameters["rope_type"] = parameters.pop("type")
+    parameters.setdefault("rope_theta", fields.get("rope_theta") or 10000.0)
+    return Rope.from_parameters(
+        parameters,
+        max_position_embeddings=fields.get("max_position_embeddings"),
+    )
+
+
+def _window(fields: dict, model_type: str) -> int | None:
+    """The sliding window, None where transformers' family drops it."""
+    window = fields.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not fields.get(
+        "use_sliding_window", False
+    ):
+        return None
+    return None if window is None else check_int("sliding_window", window)
+
+
+def _windows(
+    fields: dict, model_type: str, layers: int | None, window: int | None
+) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention), as
+    transformers' Mistral (every layer) and Qwen2/3 (``layer_types``, or
+    the layers from ``max_window_layers`` on) place them."""
+    if layers is None:
+        return ()
+    types = fields.get("layer_types")
+    if types is None:
+        first = 0
+        if model_type in ("qwen2", "qwen3"):
+            first = fields.get("max_window_layers") or 0
+        types = [
+            "sliding_attention" if window and i >= first else "full_attention"
+            for i in range(layers)
+        ]
+    if len(types) != layers or not set(types) <= {
+        "full_attention",
+        "sliding_attention",
+    }:
+        raise ValueError(
+            f"layer_types must give 'full_attention' or 'sliding_attention' "
+            f"for each of the num_hidden_layers = {layers} layers, got "
+            f"{types!r}"
+        )
+    if model_type == "mistral":  # transformers' Mistral reads no layer_types
+        return tuple(window for _ in range(layers))
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def _eos(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(check_int("eos_token_id", v, minimum=0) for v in values)
+
+
+def _optional_int(fields: dict, name: str, minimum: int = 1) -> int | None:
+    value = fields.get(name)
+    return None if value is None else check_int(name, value, minimum=minimum)

@@ -1,0 +1,237 @@
+"""Paged attention in Triton: keys and values read through the block table.
+
+Import :mod:`mha.kernels` (which decides between the compiled kernels and
+Triton's CPU interpreter) rather than this module directly. The layout and
+the semantics are those of :mod:`mha.kernels.paged_torch`: pools
+(num_blocks, block_size, H_kv, d), a block table (B, max_blocks), lengths
+(B,), queries (B, H, T_q, d) that are each sequence's last T_q positions,
+causal aligned bottom-right to each sequence's own length.
+
+One program takes one tile of rows of one (sequence, key/value head) and
+one range ("split") of that sequence's keys. The rows pack the query heads
+that share the key/value head: row r is query ``r % T_q`` of head ``kv * G
++ r // T_q`` (G = H / H_kv), so a decoding step (T_q = 1) fills a tile with
+the G heads of a group instead of one query and fifteen rows of padding,
+and each key tile is loaded once for the whole group. The key tile's
+addresses are gathered: key position j lives in pool block
+``block_table[b, j // block_size]``, slot ``j % block_size``; nothing is
+copied out of the pool. Each split writes its softmax output and
+logsumexp, and the splits are merged as in the split-KV kernel
+(:func:`mha.kernels.attention.merge_partials`): a decoding step is split
+over the blocks, a chunk after a cache is one split or several.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import INTERPRETED
+from .attention import Launch, finish_rows, merge_partials, multiprocessors
+from .paged_torch import check_paged_inputs
+from .tiles import (
+    Tiles,
+    default_num_splits,
+    default_tiles,
+    padded_head_dim,
+    split_sizes,
+)
+
+__all__ = ["paged_forward", "paged_launch", "triton_paged_attention"]
+
+# The combine functions of tl.max and tl.sum, as in mha.kernels.attention.
+_maximum = tl.standard._elementwise_max
+_add = tl.standard._sum_combine
+
+
+@triton.jit
+def _paged_kernel(
+    Q, KPool, VPool, BlockTable, SeqLens, Partial, PartialLSE,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kn, stride_ks, stride_kh, stride_kd,  # pool: block, slot, head, d
+    stride_vn, stride_vs, stride_vh, stride_vd,
+    stride_tb, stride_tj,  # block table: sequence, block
+    num_kv_heads, group, t_q, keys_per_split, scale,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One program: rows (heads of a group x queries) against one split."""
+    split, r_block, batch_kv = (
+        tl.program_id(0),
+        tl.program_id(1),
+        tl.program_id(2),
+    )
+    num_splits = tl.num_programs(0)
+    b, kv = batch_kv // num_kv_heads, batch_kv % num_kv_heads
+    seq_len = tl.load(SeqLens + b)
+    num_rows = group * t_q
+    r = r_block * BLOCK_Q + tl.arange(0, BLOCK_Q)  # packed rows
+    head, query = kv * group + r // t_q, r % t_q
+    dims = tl.arange(0, PADDED_DIM)
+    real = (r[:, None] < num_rows) & (dims[None, :] < HEAD_DIM)
+    q_tile = (Q + b * stride_qb + head[:, None] * stride_qh
+              + query[:, None] * stride_qt
+              + dims[None, :] * stride_qd)  # fmt: skip
+    q = tl.load(q_tile, real, 0.0)  # (B_q, d)
+    position = seq_len - t_q + query  # each row's own position
+    start = split * keys_per_split
+    stop = tl.minimum(seq_len, start + keys_per_split)
+    m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+    ell = tl.full([BLOCK_Q], 0.0, tl.float32)
+    acc = tl.full([BLOCK_Q, PADDED_DIM], 0.0, tl.float32)
+    table = BlockTable + b * stride_tb
+    for first in range(start, stop, BLOCK_K):
+        cols = first + tl.arange(0, BLOCK_K)  # key positions
+        visible = cols < stop
+        block = tl.load(table + (cols // BLOCK_SIZE) * stride_tj, visible, 0)
+        slot = cols % BLOCK_SIZE
+        exists = visible[:, None] & (dims[None, :] < HEAD_DIM)
+        k_tile = (KPool + block[:, None] * stride_kn
+                  + slot[:, None] * stride_ks + kv * stride_kh
+                  + dims[None, :] * stride_kd)  # fmt: skip
+        v_tile = (VPool + block[:, None] * stride_vn
+                  + slot[:, None] * stride_vs + kv * stride_vh
+                  + dims[None, :] * stride_vd)  # fmt: skip
+        k = tl.load(k_tile, exists, 0.0)  # (B_k, d), gathered from the pool
+        v = tl.load(v_tile, exists, 0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        keep = visible[None, :] & (cols[None, :] <= position[:, None])
+        scores = tl.where(keep, scores, float("-inf"))  # (B_q, B_k)
+        m_new = tl.maximum(m, tl.reduce(scores, 1, _maximum))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.exp(m - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        ell = rescale * ell + tl.reduce(p, 1, _add)
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = rescale[:, None] * acc + pv
+        m = m_new
+    out, logsumexp = finish_rows(m, ell, acc)
+    part = batch_kv * num_splits + split  # partial[b, kv, split]
+    out_tile = (Partial + part * num_rows * HEAD_DIM + r[:, None] * HEAD_DIM
+                + dims[None, :])  # fmt: skip
+    tl.store(out_tile, out, real)
+    tl.store(PartialLSE + part * num_rows + r, logsumexp, r < num_rows)
+
+
+def paged_launch(
+    q, k_pool, v_pool, block_table, seq_lens, partial, partial_lse, *,
+    scale, tiles, keys_per_split,
+):  # fmt: skip
+    """The paged kernel's launch: one program per (split, row tile, b,
+    kv); ``partial`` is (B, H_kv, splits, G * T_q, d) float32."""
+    (batch, heads, t_q, d), (block_size, kv_heads) = q.shape, k_pool.shape[1:3]
+    group, splits = heads // kv_heads, partial.shape[2]
+    grid = (splits, triton.cdiv(group * t_q, tiles.block_q), batch * kv_heads)
+    args = (
+        q, k_pool, v_pool, block_table, seq_lens, partial, partial_lse,
+        *q.stride(), *k_pool.stride(), *v_pool.stride(), *block_table.stride(),
+        kv_heads, group, t_q, keys_per_split, scale,
+    )  # fmt: skip
+    constants = {
+        "BLOCK_SIZE": block_size,
+        "BLOCK_Q": tiles.block_q,
+        "BLOCK_K": tiles.block_k,
+        "HEAD_DIM": d,
+        "PADDED_DIM": padded_head_dim(d),
+        "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+        "num_warps": tiles.num_warps,
+        "num_stages": tiles.num_stages,
+    }
+    return Launch(_paged_kernel, grid, args, constants)
+
+
+def paged_forward(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float | None = None,
+    num_splits: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The paged kernel and the merge of its splits: ``(out, logsumexp)``,
+    (B, H, T_q, d) in q's dtype and (B, H, T_q) float32."""
+    scale = check_paged_inputs(q, k_pool, v_pool, block_table, seq_lens, scale)
+    _check_backend(q)
+    (batch, heads, t_q, d), kv_heads = q.shape, k_pool.shape[2]
+    group = heads // kv_heads
+    capability = (
+        torch.cuda.get_device_capability(q.device)
+        if q.device.type == "cuda"
+        else (9, 0)
+    )
+    tiles: Tiles = default_tiles("paged", d, q.dtype, capability)
+    longest = int(seq_lens.max())
+    if num_splits is None:
+        programs = batch * kv_heads * triton.cdiv(group * t_q, tiles.block_q)
+        num_splits = default_num_splits(
+            programs, longest, tiles.block_k, multiprocessors(q.device)
+        )
+    keys_per_split, splits = split_sizes(longest, num_splits, tiles.block_k)
+    partial = torch.empty(
+        (batch, kv_heads, splits, group * t_q, d),
+        dtype=torch.float32,
+        device=q.device,
+    )
+    partial_lse = torch.empty(
+        partial.shape[:-1], dtype=torch.float32, device=q.device
+    )
+    table, lens = block_table.to(torch.int32), seq_lens.to(torch.int32)
+    with torch.no_grad():
+        paged_launch(
+            q, k_pool, v_pool, table, lens, partial, partial_lse,
+            scale=scale, tiles=tiles, keys_per_split=keys_per_split,
+        )()  # fmt: skip
+        out, logsumexp = merge_partials(partial, partial_lse)
+    # (B, H_kv, G * T_q, d) -> (B, H, T_q, d): head kv * G + g
+    out = out.reshape(batch, heads, t_q, d)
+    return out.to(q.dtype), logsumexp.reshape(batch, heads, t_q)
+
+
+def triton_paged_attention(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float | None = None,
+) -> Tensor:
+    """Attention of each sequence's last T_q queries over its paged keys.
+
+    The arguments and the result of
+    :func:`mha.kernels.paged_torch.paged_attention_torch`; the blocks are
+    read where they are in the pools. Forward only (no gradient).
+    """
+    out, _ = paged_forward(
+        q, k_pool, v_pool, block_table, seq_lens, scale=scale
+    )
+    return out
+
+
+def _check_backend(q: Tensor) -> None:
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(
+            f"q, k_pool and v_pool must be float32, float16 or bfloat16, got "
+            f"{q.dtype}"
+        )
+    if q.shape[-1] > 256:
+        raise ValueError(
+            f"d (the last dimension of q) must be at most 256, got "
+            f"{q.shape[-1]}"
+        )
+    if INTERPRETED and q.dtype == torch.bfloat16:
+        raise ValueError(
+            "bfloat16 runs on a GPU only: tl.dot in bfloat16 is wrong in "
+            "Triton's interpreter (TRITON_INTERPRET=1)"
+        )
+    if not INTERPRETED and q.device.type != "cuda":
+        raise ValueError(
+            f"the compiled kernels need CUDA tensors, got {q.device}; set "
+            "TRITON_INTERPRET=1 before importing mha.kernels to run them "
+            "on the CPU"
+        )

@@ -1,0 +1,144 @@
+"""Paged attention in plain torch: the paged kernel's twin, and its checks.
+
+A serving engine keeps the keys and values of every sequence in fixed-size
+blocks of one pool, ``k_pool`` and ``v_pool`` (num_blocks, block_size, H_kv,
+d), and a block table per sequence: ``block_table[b, j]`` is the pool block
+that holds positions ``j * block_size`` .. ``(j + 1) * block_size - 1`` of
+sequence b. ``seq_lens[b]`` positions of sequence b are valid; its queries
+``q[b]`` (H, T_q, d) are its last T_q positions, so query i sits at position
+``seq_lens[b] - T_q + i`` and sees keys 0 .. that position (causal, aligned
+bottom-right to each sequence's own length).
+
+:func:`paged_attention_torch` gathers each sequence's keys and values out
+of the pool (zeros past its length, whatever the pool holds there) and
+takes a masked softmax: plain torch, importable without
+Triton, the reference that :func:`mha.kernels.triton_paged_attention`
+(which reads the blocks where they are) is tested against.
+:func:`check_paged_inputs` is the one check of the arguments for both.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .._validate import check_same, check_scale, check_tensor
+
+__all__ = ["paged_attention_torch", "check_paged_inputs"]
+
+
+def paged_attention_torch(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float | None = None,
+) -> Tensor:
+    """Attention of each sequence's last T_q queries over its paged keys.
+
+    Args:
+        q: (B, H, T_q, d), the last T_q positions of each sequence.
+        k_pool, v_pool: (num_blocks, block_size, H_kv, d), H_kv dividing H
+            (query head h reads key/value head ``h // (H / H_kv)``).
+        block_table: (B, max_blocks) integers, pool blocks in order.
+        seq_lens: (B,) integers, T_q <= seq_lens[b] <= max_blocks *
+            block_size: the valid positions of each sequence, the T_q
+            queries included.
+        scale: default ``1 / sqrt(d)``.
+
+    Returns:
+        (B, H, T_q, d) in q's dtype.
+    """
+    scale = check_paged_inputs(q, k_pool, v_pool, block_table, seq_lens, scale)
+    (_, heads, t_q, _), (block_size, kv_heads) = q.shape, k_pool.shape[1:3]
+    length = int(seq_lens.max())
+    positions = torch.arange(length, device=q.device)  # (L,)
+    blocks = block_table[:, positions // block_size].long()  # (B, L)
+    slots = (positions % block_size)[None, :]  # (1, L)
+    real = (positions < seq_lens.long()[:, None])[:, None, :, None]
+    # (B, 1, L, 1): slots past a length may hold anything (NaN): zeros
+    k = k_pool[blocks, slots].permute(0, 2, 1, 3).where(real, 0.0)
+    v = v_pool[blocks, slots].permute(0, 2, 1, 3).where(real, 0.0)
+    # (B, H_kv, L, d)
+    group = heads // kv_heads
+    k = k.repeat_interleave(group, dim=1)  # (B, H, L, d)
+    v = v.repeat_interleave(group, dim=1)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = (
+        q.to(acc) @ k.to(acc).transpose(-1, -2)
+    ) * scale  # (B, H, T_q, L)
+    lens = seq_lens.long()[:, None, None, None]  # (B, 1, 1, 1)
+    own = (
+        lens - t_q + torch.arange(t_q, device=q.device)[:, None]
+    )  # (B,1,T_q,1)
+    keep = (positions <= own) & (positions < lens)  # (B, 1, T_q, L)
+    scores = scores.masked_fill(~keep, -math.inf)
+    top = scores.amax(dim=-1, keepdim=True)
+    top = top.masked_fill(top == -math.inf, 0.0)  # a query that sees no key
+    weights = torch.exp(scores - top)  # (B, H, T_q, L)
+    total = weights.sum(dim=-1, keepdim=True)
+    out = (weights / total.masked_fill(total == 0, 1.0)) @ v.to(acc)
+    return out.to(q.dtype)
+
+
+def check_paged_inputs(q, k_pool, v_pool, block_table, seq_lens, scale):
+    """The paged kernels' requirements, each with a clear error; the scale.
+
+    Reads ``seq_lens`` and the used entries of ``block_table`` on the host,
+    to refuse a length or a block the pool does not hold (on a GPU, a
+    wrong index would read memory that is not the cache's).
+    """
+    check_tensor("q", q, ndim=4, shape="(B, H, T_q, d)")
+    pools = "(num_blocks, block_size, H_kv, d)"
+    check_tensor("k_pool", k_pool, ndim=4, shape=pools)
+    check_tensor("v_pool", v_pool, ndim=4, shape=pools)
+    check_same("q, k_pool and v_pool", (q, k_pool, v_pool))
+    (batch, heads, t_q, d), kv_heads = q.shape, k_pool.shape[2]
+    num_blocks, block_size = k_pool.shape[:2]
+    if v_pool.shape != k_pool.shape or k_pool.shape[3] != d:
+        raise ValueError(
+            f"k_pool and v_pool must both have shape {pools} with q's "
+            f"d = {d}, got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}"
+        )
+    if min(k_pool.shape) == 0 or t_q == 0 or heads % kv_heads:
+        raise ValueError(
+            "the pools must hold a block of a slot, q a query, and H_kv "
+            f"must divide H, got q {tuple(q.shape)}, pools "
+            f"{tuple(k_pool.shape)}"
+        )
+    table_shape = "(B, max_blocks)"
+    check_tensor("block_table", block_table, kind="integer", ndim=2,
+                 shape=table_shape)  # fmt: skip
+    check_tensor("seq_lens", seq_lens, kind="integer", ndim=1, shape="(B,)")
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        if t.shape[0] != batch:
+            raise ValueError(
+                f"{name} must have B = {batch} rows (q's), got shape "
+                f"{tuple(t.shape)}"
+            )
+        if t.device != q.device:
+            raise ValueError(
+                f"{name} must be on q's device ({q.device}), got {t.device}"
+            )
+    lens = seq_lens.cpu()
+    capacity = block_table.shape[1] * block_size
+    if (lens < t_q).any() or (lens > capacity).any():
+        raise ValueError(
+            f"seq_lens must lie between T_q = {t_q} (they count the "
+            f"queries) and max_blocks * block_size = {capacity}, got "
+            f"{lens.tolist()}"
+        )
+    reached = -(-lens[:, None] // block_size)  # (B, 1): blocks in use
+    used = torch.arange(block_table.shape[1])[None, :] < reached
+    blocks = block_table.cpu()[used]  # the entries the lengths reach
+    if len(blocks) and (blocks.min() < 0 or blocks.max() >= num_blocks):
+        raise ValueError(
+            f"block_table must hold pool blocks 0 .. {num_blocks - 1} where "
+            f"seq_lens reach, got {blocks.min().item()} .. "
+            f"{blocks.max().item()}"
+        )
+    return check_scale(scale, d)

@@ -1,0 +1,444 @@
+"""A whole Llama-family causal language model, its attention a switch.
+
+:class:`CausalLM` is the decoder transformers builds for a Llama, Mistral,
+Qwen2 or Qwen3 configuration: token embeddings, pre-norm blocks (RMSNorm,
+grouped-query attention with RoPE, RMSNorm, a SwiGLU MLP), a last RMSNorm
+and the output head (tied to the embeddings where the config says so). Its
+parameters carry transformers' names (``model.embed_tokens.weight``,
+``model.layers.{i}.self_attn.q_proj.weight``, ..., ``model.norm.weight``,
+``lm_head.weight``), so ``load_state_dict`` of transformers' model is
+strict, both ways. Every attention layer calls one backend of
+:mod:`mha.backends` by name (``eager``, ``sdpa``, ``tiled``, ``triton``,
+``flex``); :meth:`CausalLM.set_attention_backend` switches them all.
+
+Shapes: ``B`` batch, ``T`` new tokens, ``T_k`` keys (cached + new), ``D``
+hidden size, ``H`` query heads, ``H_kv`` key/value heads, ``d_k`` head
+size, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._validate import check_choice, check_float, check_int
+from .backends import Masking, attend, get_backend
+from .caches import Cache, KVCache, PagedKVCache, cached_so_far
+from .configs import ModelConfig, read_config
+from .decoding import GroupedQueryAttention
+from .functional import merge_heads, split_heads
+from .positions import rope_cos_sin, rotate_pairs
+
+__all__ = ["RMSNorm", "MLP", "Attention", "DecoderLayer", "CausalLM", "sample"]
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last axis, computed in float32."""
+
+    def __init__(self, size: int, eps: float, **factory) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, **factory))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), (B, T, D) -> (B, T, D)."""
+
+    def __init__(self, config: ModelConfig, **factory) -> None:
+        super().__init__()
+        D, F_ = config.hidden_size, config.intermediate_size
+        bias = config.mlp_bias
+        self.gate_proj = nn.Linear(D, F_, bias=bias, **factory)
+        self.up_proj = nn.Linear(D, F_, bias=bias, **factory)
+        self.down_proj = nn.Linear(F_, D, bias=bias, **factory)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(GroupedQueryAttention):
+    """A model's attention layer: :class:`mha.GroupedQueryAttention`'s
+    projections and RoPE, Qwen3's q/k norms, a sliding window, and the
+    attention itself by a named backend (:func:`mha.backends.attend`)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        window: int | None,
+        backend: str,
+        **factory,
+    ) -> None:
+        super().__init__(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.qkv_bias,
+            rope_base=config.rope,
+            dropout=config.attention_dropout,
+            head_dim=config.head_dim,
+            **factory,
+        )
+        if config.o_bias != config.qkv_bias:  # Qwen2: o without a bias
+            self.o_proj = nn.Linear(
+                self.o_proj.in_features,
+                self.o_proj.out_features,
+                bias=config.o_bias,
+                **factory,
+            )
+        if config.qk_norm:  # Qwen3: RMSNorm over each head's d_k
+            self.q_norm = RMSNorm(
+                self.head_dim, config.rms_norm_eps, **factory
+            )
+            self.k_norm = RMSNorm(
+                self.head_dim, config.rms_norm_eps, **factory
+            )
+        self.window, self.backend = window, backend
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        positions: Tensor,
+        cache: Cache | None = None,
+        start: int | Tensor = 0,
+        padding: Tensor | None = None,
+    ) -> Tensor:
+        """x (B, T, D) at ``positions`` (1 or B, T) -> (B, T, D), after the
+        ``start`` positions in ``cache``; ``padding`` (B, >= T_k) bool,
+        False at a pad key."""
+        d_k = self.head_dim
+        q = split_heads(self.q_proj(x), d_k)  # (B, H, T, d_k)
+        k = split_heads(self.k_proj(x), d_k)  # (B, H_kv, T, d_k)
+        v = split_heads(self.v_proj(x), d_k)  # (B, H_kv, T, d_k)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope_cos_sin(positions, d_k, self.rope, q.dtype)
+        q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
+        if hasattr(cache, "attend"):  # a serving step (mha.serving.batch)
+            heads = cache.attend(q, k, v, self.window)  # reads the pool
+            return self.o_proj(merge_heads(heads))  # (B, T, D)
+        masking = Masking(window=self.window, padding=padding)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, H_kv, T_k, d_k)
+            if torch.compiler.is_compiling():  # every slot of the cache
+                end = start + x.shape[1]
+                masking = Masking(
+                    window=self.window, q_offset=start, key_end=end,
+                    padding=padding,
+                )  # fmt: skip
+        heads = attend(self.backend, q, k, v, masking)  # (B, H, T, d_k)
+        return self.o_proj(merge_heads(heads))  # (B, T, D)
+
+
+class DecoderLayer(nn.Module):
+    """x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, window, backend, **factory):
+        super().__init__()
+        eps, D = config.rms_norm_eps, config.hidden_size
+        self.self_attn = Attention(config, window, backend, **factory)
+        self.mlp = MLP(config, **factory)  # transformers' order of names
+        self.input_layernorm = RMSNorm(D, eps, **factory)
+        self.post_attention_layernorm = RMSNorm(D, eps, **factory)
+
+    def forward(self, x: Tensor, **attention) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), **attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """A Llama-family decoder with transformers' parameter names.
+
+    Build it with :meth:`from_config`; ``attn_backend`` names the backend
+    of every attention layer (:func:`mha.attention_backends`).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        attn_backend: str = "sdpa",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        config.require("vocab_size", "intermediate_size", "num_hidden_layers")
+        get_backend(attn_backend)
+        factory = {"device": device, "dtype": dtype}
+        V, D = config.vocab_size, config.hidden_size
+        self.config = config
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(V, D, **factory)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(config, window, attn_backend, **factory)
+            for window in config.windows
+        )
+        self.model.norm = RMSNorm(D, config.rms_norm_eps, **factory)
+        self.lm_head = nn.Linear(D, V, bias=False, **factory)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def from_config(
+        cls,
+        config: object,
+        *,
+        attn_backend: str = "sdpa",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> CausalLM:
+        """From a transformers ``LlamaConfig``, ``MistralConfig``,
+        ``Qwen2Config`` or ``Qwen3Config``, or its config.json as a dict
+        (:func:`mha.configs.read_config`: a field not implemented raises a
+        ValueError that names it)."""
+        return cls(
+            read_config(config),
+            attn_backend=attn_backend,
+            device=device,
+            dtype=dtype,
+        )
+
+    @property
+    def attn_backend(self) -> str:
+        """The name of the attention backend every layer calls."""
+        return self.model.layers[0].self_attn.backend
+
+    def set_attention_backend(self, name: str) -> None:
+        """Switch every attention layer to backend ``name``."""
+        get_backend(name)
+        for layer in self.model.layers:
+            layer.self_attn.backend = name
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        caches: list[Cache] | None = None,
+    ) -> Tensor:
+        """Logits (B, T, V) of ``input_ids`` (B, T), after the caches'.
+
+        ``attention_mask`` (B, T_k) of 1 (a token) and 0 (a pad), for the
+        cached and new positions (or every slot of the caches), as
+        transformers takes it; ``position_ids`` (1 or B, T), by default the
+        next T positions of the caches; ``caches``: one per layer
+        (:meth:`new_caches`), written in place.
+        """
+        start = self._check_forward(input_ids, attention_mask, caches)
+        T = input_ids.shape[1]
+        if position_ids is None:  # the next T positions, every row alike
+            position_ids = start + torch.arange(T, device=input_ids.device)
+            position_ids = position_ids[None]  # (1, T)
+        padding = None
+        if attention_mask is not None:
+            padding = attention_mask.to(torch.bool)  # (B, T_k)
+            if not torch.compiler.is_compiling() and bool(padding.all()):
+                padding = None  # nothing to hide
+        x = self.model.embed_tokens(input_ids)  # (B, T, D)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(
+                x,
+                positions=position_ids,
+                cache=None if caches is None else caches[i],
+                start=start,
+                padding=padding,
+            )
+        return self.lm_head(self.model.norm(x))  # (B, T, V)
+
+    def new_caches(
+        self, batch: int, max_len: int, *, kind: str = "static"
+    ) -> list[Cache]:
+        """One empty cache per layer: ``"static"`` (:class:`mha.KVCache`)
+        or ``"paged"`` (:class:`mha.PagedKVCache`, 16-position blocks)."""
+        check_choice("cache", kind, ("static", "paged"))
+        attn = self.model.layers[0].self_attn
+        weight = self.lm_head.weight
+        sizes = (batch, max_len, attn.num_kv_heads, attn.head_dim)
+        factory = {"dtype": weight.dtype, "device": weight.device}
+        cache_class = KVCache if kind == "static" else PagedKVCache
+        return [cache_class(*sizes, **factory) for _ in self.model.layers]
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        attention_mask: Tensor | None = None,
+        cache: str = "static",
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Prompt and new tokens, (B, T + new), as transformers' generate.
+
+        Greedy (``do_sample=False``) or sampled: logits divided by
+        ``temperature``, cut to the ``top_k`` likeliest tokens, then to the
+        fewest whose probabilities sum to ``top_p`` (transformers' order),
+        drawn with ``generator``. ``attention_mask`` (B, T): 0 at the pads
+        of a left-padded batch (each row's positions then count from its
+        first token). A row that has produced one of the config's
+        ``eos_token_id`` continues with the pad token (``pad_token_id``, or
+        the first eos); generation stops when every row has, so ``new`` may
+        be less than ``max_new_tokens``.
+        """
+        B, T = self._check_generate(input_ids, max_new_tokens, attention_mask)
+        sampling = _check_sampling(do_sample, temperature, top_k, top_p)
+        device = input_ids.device
+        caches = self.new_caches(B, T + max_new_tokens, kind=cache)
+        mask = torch.ones(
+            B, T + max_new_tokens, dtype=torch.bool, device=device
+        )
+        if attention_mask is not None:
+            mask[:, :T] = attention_mask.to(torch.bool)
+        positions = (mask[:, :T].cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
+        eos = torch.tensor(self.config.eos_token_ids, device=device)
+        pad = self.config.pad_token_id
+        pad = eos[0] if pad is None and len(eos) else (pad or 0)
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        tokens, new = input_ids, input_ids
+        for step in range(max_new_tokens):
+            logits = self(new, mask[:, : T + step], positions, caches)
+            scores = logits[:, -1].float()  # (B, V)
+            if sampling:
+                chosen = sample(scores, temperature, top_k, top_p, generator)
+            else:
+                chosen = scores.argmax(dim=-1)  # (B,)
+            chosen = torch.where(done, pad, chosen)
+            done = done | torch.isin(chosen, eos)
+            tokens = torch.cat((tokens, chosen[:, None]), dim=1)
+            if len(eos) and bool(done.all()):
+                break
+            new, positions = chosen[:, None], positions[:, -1:] + 1
+        return tokens
+
+    def _check_forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        caches: list[Cache] | None,
+    ) -> int | Tensor:
+        """Check every input (no value read under torch.compile); the
+        positions the caches have seen, read once."""
+        config = self.config
+        if not isinstance(input_ids, Tensor) or input_ids.dtype != torch.int64:
+            got = getattr(input_ids, "dtype", type(input_ids).__name__)
+            raise TypeError(f"input_ids must be an int64 tensor, got {got}")
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(
+                "input_ids must have shape (B, T) with T >= 1, got shape "
+                f"{tuple(input_ids.shape)}"
+            )
+        if self.training and config.attention_dropout > 0:
+            raise ValueError(
+                f"attention_dropout = {config.attention_dropout}: no "
+                "backend drops attention weights; call model.eval()"
+            )
+        B, T = input_ids.shape
+        compiling = torch.compiler.is_compiling()
+        if not compiling and not (
+            0 <= int(input_ids.min())
+            and int(input_ids.max()) < config.vocab_size
+        ):
+            raise ValueError(
+                f"input_ids must lie in [0, vocab_size = {config.vocab_size})"
+                f", got values {int(input_ids.min())} .. "
+                f"{int(input_ids.max())}"
+            )
+        start = 0
+        if caches is not None:
+            if len(caches) != len(self.model.layers):
+                raise ValueError(
+                    f"caches must hold one cache per layer "
+                    f"({len(self.model.layers)}), got {len(caches)}"
+                )
+            start = cached_so_far(caches[0])
+            attn, weight = self.model.layers[0].self_attn, self.lm_head.weight
+            for cache in caches:  # none half-written
+                cache.check_update(B, attn.num_kv_heads, T, attn.head_dim,
+                                   weight.dtype, weight.device)  # fmt: skip
+        if attention_mask is not None:
+            _check_attention_mask(attention_mask, B, T, start, caches)
+        return start
+
+    def _check_generate(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        attention_mask: Tensor | None,
+    ) -> tuple[int, int]:
+        check_int("max_new_tokens", max_new_tokens)
+        self._check_forward(input_ids, None, None)
+        B, T = input_ids.shape
+        if attention_mask is not None:
+            _check_attention_mask(attention_mask, B, T, 0, None)
+            if not bool(attention_mask[:, -1].all()):
+                raise ValueError(
+                    "attention_mask must be 1 at every row's last prompt "
+                    "token (left padding: pads before the prompt)"
+                )
+        return B, T
+
+
+def sample(
+    scores: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """One token per row of ``scores`` (B, V): transformers' warpers in its
+    order (temperature, top-k, top-p), then a draw from the softmax."""
+    scores = scores / temperature
+    if top_k is not None and top_k < scores.shape[-1]:
+        kth = scores.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
+        scores = scores.masked_fill(scores < kth, -torch.inf)
+    if top_p is not None and top_p < 1.0:
+        ascending, order = scores.sort(dim=-1)  # (B, V)
+        mass = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = mass <= 1 - top_p  # the unlikeliest tokens, mass 1 - top_p
+        drop[:, -1] = False  # keep at least the likeliest
+        scores = scores.masked_fill(drop.scatter(1, order, drop), -torch.inf)
+    probabilities = scores.softmax(dim=-1)
+    return torch.multinomial(probabilities, 1, generator=generator)[:, 0]
+
+
+def _check_sampling(do_sample, temperature, top_k, top_p) -> bool:
+    if not isinstance(do_sample, bool):
+        raise TypeError(f"do_sample must be a bool, got {do_sample!r}")
+    check_float("temperature", temperature)
+    if top_k is not None:
+        check_int("top_k", top_k)
+    if top_p is not None and not 0.0 < float(top_p) <= 1.0:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
+    return do_sample
+
+
+def _check_attention_mask(
+    mask: Tensor, B: int, T: int, start: int | Tensor, caches
+) -> None:
+    if not isinstance(mask, Tensor) or mask.is_floating_point():
+        got = getattr(mask, "dtype", type(mask).__name__)
+        raise TypeError(
+            f"attention_mask must be an int or bool tensor of 0/1, got {got}"
+        )
+    widths = "T_k = cached + new positions"
+    if caches is not None and caches[0].max_len is not None:
+        widths += f" or the caches' max_len = {caches[0].max_len}"
+    if torch.compiler.is_compiling():
+        ok = mask.dim() == 2 and mask.shape[0] == B
+    else:
+        ok = mask.dim() == 2 and mask.shape[0] == B
+        ok = ok and mask.shape[1] >= start + T
+    if not ok:
+        raise ValueError(
+            f"attention_mask must have shape (B, T_k) with B = {B} and "
+            f"{widths} (>= {start} + {T}), got shape {tuple(mask.shape)}"
+        )

@@ -1,0 +1,163 @@
+"""The engine: requests in, one forward of the model per step, tokens out.
+
+:class:`Engine` serves a :class:`mha.CausalLM`: :meth:`~Engine.add_request`
+queues a prompt at any time, :meth:`~Engine.step` asks the scheduler for the
+step's work (decode tokens and prefill chunks, :mod:`.scheduler`), lays it
+out as one row of tokens with each token's own position, runs the model once
+over it (every attention layer reading keys and values through the block
+tables, :mod:`.batch`), samples the next token of every request whose
+tokens are all computed, and frees the blocks of finished requests.
+:meth:`~Engine.run` steps until every request is done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .._validate import check_int
+from ..model import CausalLM, sample
+from .batch import PagedLayer, StepPlan
+from .blocks import BlockAllocator
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+
+__all__ = ["Engine", "EngineStats"]
+
+
+@dataclass
+class EngineStats:
+    """What the engine did: tokens computed in prefill chunks and decode
+    steps, prompt positions reused from the prefix cache, preemptions,
+    the most blocks in use at once, steps (forwards)."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefix_tokens_reused: int = 0
+    preemptions: int = 0
+    peak_blocks_in_use: int = 0
+    steps: int = 0
+
+
+class Engine:
+    """Continuous batching with a paged cache over ``num_blocks`` blocks.
+
+    ``max_num_batched_tokens``: tokens one forward computes at most (decode
+    tokens and prefill chunks together). Attention reads the pool through
+    :func:`mha.kernels.triton_paged_attention` when the model's backend is
+    ``triton``, else through its torch twin.
+    """
+
+    def __init__(self, model: CausalLM, *, num_blocks: int,
+                 block_size: int = 16, max_num_batched_tokens: int = 256,
+                 prefix_caching: bool = True) -> None:  # fmt: skip
+        if not isinstance(model, CausalLM):
+            raise TypeError(
+                f"model must be an mha.CausalLM, got {type(model).__name__}"
+            )
+        if any(w is not None for w in model.config.windows):
+            raise ValueError(
+                "model: a sliding window is not served by the paged kernel "
+                f"(windows {model.config.windows})"
+            )
+        self.max_num_batched_tokens = check_int(
+            "max_num_batched_tokens", max_num_batched_tokens
+        )
+        self.model = model.eval()
+        self.allocator = BlockAllocator(
+            num_blocks, block_size, prefix_caching=prefix_caching
+        )
+        self.scheduler = Scheduler(self.allocator, max_num_batched_tokens)
+        attn, weight = model.model.layers[0].self_attn, model.lm_head.weight
+        attention = _paged_attention(model.attn_backend)
+        self.layers = [
+            PagedLayer(num_blocks, block_size, attn.num_kv_heads,
+                       attn.head_dim, dtype=weight.dtype,
+                       device=weight.device, attention=attention)
+            for _ in model.model.layers
+        ]  # fmt: skip
+        self.stats = EngineStats()
+        self.requests: dict[int, Sequence] = {}
+        self.last_batch: list[
+            tuple[int, int]
+        ] = []  # (id, tokens), decodes first
+
+    def add_request(self, prompt_ids, max_new_tokens: int, **sampling) -> int:
+        """Queue ``prompt_ids`` (a list or 1-D tensor of token ids) for at
+        most ``max_new_tokens`` new tokens; returns its id. ``sampling``:
+        ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``generator``
+        as :meth:`mha.CausalLM.generate` takes them (greedy by default)."""
+        seq = Sequence.request(
+            prompt_ids, max_new_tokens, sampling, self.model.config
+        )
+        alloc = self.allocator
+        needed = -(-(len(seq) + max_new_tokens - 1) // alloc.block_size)
+        if needed > alloc.num_blocks:
+            raise ValueError(
+                f"a prompt of {len(seq)} tokens and max_new_tokens = "
+                f"{max_new_tokens} need {needed} blocks of "
+                f"{alloc.block_size} positions; the pool has num_blocks = "
+                f"{alloc.num_blocks}: it could never fit"
+            )
+        self.requests[seq.id] = seq
+        self.scheduler.add(seq)
+        return seq.id
+
+    @torch.no_grad()
+    def step(self) -> list[int]:
+        """One forward over the scheduled tokens; ids finished by it."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        device = self.layers[0].k_pool.device
+        plan = StepPlan.build(batch, self.allocator.block_size, device)
+        self.last_batch = [(seq.id, count) for seq, count in batch]
+        for layer in self.layers:
+            layer.plan = plan
+        logits = self.model(plan.ids, position_ids=plan.positions,
+                            caches=self.layers)  # fmt: skip
+        self._sample(batch, logits[0, plan.last].float())  # (requests, V)
+        done = self.scheduler.finish(batch)
+        self._count(plan.decodes, plan.ids.shape[1])
+        return [seq.id for seq in done]
+
+    def _sample(self, batch, logits) -> None:
+        for (seq, count), scores in zip(batch, logits):
+            if seq.num_computed + count < len(seq):
+                continue  # a prefill chunk that is not the last
+            s = seq.sampling
+            if s["do_sample"]:
+                token = sample(scores[None], s["temperature"], s["top_k"],
+                               s["top_p"], s["generator"])  # fmt: skip
+            else:
+                token = scores.argmax()
+            seq.append(int(token))
+
+    def _count(self, decodes: int, tokens: int) -> None:
+        stats, scheduler = self.stats, self.scheduler
+        stats.steps += 1
+        stats.decode_tokens += decodes
+        stats.prefill_tokens += tokens - decodes
+        stats.preemptions = scheduler.preemptions
+        stats.prefix_tokens_reused = scheduler.prefix_tokens_reused
+        stats.peak_blocks_in_use = scheduler.peak_blocks
+
+    def run(self) -> dict[int, list[int]]:
+        """Step until every request is done; {id: generated token ids}."""
+        while self.scheduler.has_work():
+            self.step()
+        return {
+            i: seq.generated
+            for i, seq in self.requests.items()
+            if seq.status is Status.FINISHED
+        }
+
+
+def _paged_attention(backend: str):
+    """The paged kernel on the ``triton`` backend, else its torch twin."""
+    from .. import kernels
+
+    if backend == "triton":
+        return kernels.triton_paged_attention
+    return kernels.paged_attention_torch

@@ -1,0 +1,120 @@
+"""The cache protocol (mha.caches): every cache honours it, and serves as a layer's cache.
+
+The expected outputs come from the layer without a cache over the whole sequence, with the mask
+written out densely (mha.reference's sliding-window mask for the rolling cache).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mha import reference
+from mha.caches import Cache, ConcatKVCache, KVCache, PagedKVCache, RollingKVCache
+from mha.decoding import GroupedQueryAttention
+
+from helpers import randn
+
+B, H, H_KV, D_K, T = 2, 4, 2, 8, 11
+
+
+def new_cache(kind: str, max_len: int = T):
+    sizes = (H_KV, D_K)
+    if kind == "preallocated":
+        return KVCache(B, max_len, *sizes, dtype=torch.float64)
+    if kind == "concat":
+        return ConcatKVCache(B, *sizes, max_len=max_len, dtype=torch.float64)
+    if kind == "paged":
+        return PagedKVCache(B, max_len, *sizes, block_size=4, dtype=torch.float64)
+    return RollingKVCache(B, 4, *sizes, dtype=torch.float64)
+
+
+KINDS = ["preallocated", "concat", "paged", "rolling"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_cache_honours_the_protocol(kind: str) -> None:
+    cache = new_cache(kind)
+    assert isinstance(cache, Cache)
+    k = randn(B, H_KV, 3, D_K, seed=1)
+    keys, values = cache.update(k, -k)
+    assert (len(cache), cache.seen) == (3, 3)
+    torch.testing.assert_close(keys, k)
+    torch.testing.assert_close(values, -k)
+    cache.check_update(B, H_KV, 1, D_K, torch.float64, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"\(B, H_kv, d_k\)"):
+        cache.check_update(B, H_KV + 1, 1, D_K, torch.float64, torch.device("cpu"))
+    with pytest.raises(TypeError, match="dtype torch.float64"):
+        cache.check_update(B, H_KV, 1, D_K, torch.float32, torch.device("cpu"))
+    cache.truncate(2)
+    assert (len(cache), cache.seen) == (2, 2)
+    cache.reset()
+    assert (len(cache), cache.seen) == (0, 0)
+    assert cache.max_len == (None if kind == "rolling" else T)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_cache_serves_a_layer(kind: str) -> None:
+    """Prompt, then one token at a time: equal to the whole sequence at once (the rolling
+    cache: under its window's mask)."""
+    torch.manual_seed(0)
+    layer = GroupedQueryAttention(H * D_K, H, H_KV, dtype=torch.float64).eval()
+    x = randn(B, T, H * D_K, seed=2)
+    cache = new_cache(kind)
+    window = 4 if kind == "rolling" else T
+    keep = torch.as_tensor(reference.sliding_window_mask(T, window=window))
+    with torch.no_grad():
+        expected = layer(x, attn_mask=keep)
+        steps = [layer(x[:, :3], cache=cache)]
+        steps += [layer(x[:, t : t + 1], cache=cache) for t in range(3, T)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=1e-10, atol=1e-10)
+    assert cache.seen == T  # positions count on past the window
+
+
+def test_a_rolling_cache_refuses_what_a_layer_cannot_attend_through() -> None:
+    cache = new_cache("rolling")
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="first update holds at most window = 4"):
+        cache.check_update(B, H_KV, 5, D_K, torch.float64, cpu)
+    cache.update(*(randn(B, H_KV, 2, D_K, seed=3),) * 2)
+    with pytest.raises(ValueError, match="one new token at a time after its first update"):
+        cache.check_update(B, H_KV, 2, D_K, torch.float64, cpu)
+    for _ in range(5):  # wrapped: positions 0 .. 6 seen, 3 .. 6 held
+        cache.update(*(randn(B, H_KV, 1, D_K, seed=4),) * 2)
+    with pytest.raises(ValueError, match=r"length must be 0 or at least seen - 1 = 6"):
+        cache.truncate(4)
+    cache.truncate(6)
+    assert (cache.seen, len(cache)) == (6, 4)
+
+
+@pytest.mark.parametrize("kind", ["preallocated", "paged"])
+def test_a_decoding_step_reads_the_cache_length_from_the_device_once(kind, monkeypatch) -> None:
+    """The layer's check, its positions and the update each ask for len(cache): one read of the
+    length tensor serves them (a read from a GPU waits for every queued kernel)."""
+    torch.manual_seed(0)
+    layer = GroupedQueryAttention(H * D_K, H, H_KV, dtype=torch.float64).eval()
+    cache = new_cache(kind)
+    x = randn(B, T, H * D_K, seed=5)
+    with torch.no_grad():
+        layer(x[:, :4], cache=cache)
+    reads = []
+    to_int = torch.Tensor.__int__
+
+    def counted(tensor):
+        reads.append(tensor is cache.length)
+        return to_int(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "__int__", counted)
+    with torch.no_grad():
+        layer(x[:, 4:5], cache=cache)
+    assert sum(reads) == 1 and len(cache) == 5
+
+
+def test_a_subclass_may_count_in_python() -> None:
+    """Chapter 12's cache that keeps its length as a Python int still has a len()."""
+
+    class CountedInPython(KVCache):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.length = 3
+
+    assert len(CountedInPython(B, T, H_KV, D_K)) == 3

@@ -1,0 +1,230 @@
+"""The paged-attention kernel and its torch twin against gather + softmax in float64.
+
+Each sequence's keys and values are drawn contiguous first, (H_kv, L_b, d), then written block by
+block into pool blocks picked at random (a shuffled block table); the expected output is computed
+from the contiguous tensors, one (sequence, head, query) at a time in float64, never from the pool
+or the table. The Triton kernel runs in Triton's interpreter on a CPU (compiled on a GPU).
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+
+import pytest
+import torch
+from mha import kernels
+from mha.kernels.paged_torch import paged_attention_torch
+
+from helpers import generator, randn
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TRITON = pytest.mark.skipif(not kernels.TRITON_AVAILABLE, reason="triton is not installed")
+DEVICE = "cpu" if not kernels.TRITON_AVAILABLE or kernels.INTERPRETED else "cuda"
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 2e-3}
+
+
+def _paged(lengths, heads, kv_heads, t_q, d, block_size, dtype, seed=0, spare=3):
+    """q, pools, block table, lengths, and the contiguous keys and values per sequence."""
+    batch = len(lengths)
+    max_blocks = max(-(-n // block_size) for n in lengths) + 1  # one unused column
+    num_blocks = batch * max_blocks + spare
+    order = torch.randperm(num_blocks, generator=generator(seed))  # shuffled pool blocks
+    k_pool = randn(num_blocks, block_size, kv_heads, d, seed=seed + 1)  # garbage in unused slots
+    v_pool = randn(num_blocks, block_size, kv_heads, d, seed=seed + 2)
+    table = torch.full((batch, max_blocks), num_blocks - 1, dtype=torch.int32)
+    keys, values, used = [], [], 0
+    for b, n in enumerate(lengths):
+        k = randn(kv_heads, n, d, seed=seed + 10 + b)  # (H_kv, L_b, d)
+        v = randn(kv_heads, n, d, seed=seed + 50 + b)
+        for j in range(-(-n // block_size)):
+            block = int(order[used])
+            used += 1
+            table[b, j] = block
+            rows = slice(j * block_size, min(n, (j + 1) * block_size))
+            count = rows.stop - rows.start
+            k_pool[block, :count] = k[:, rows].transpose(0, 1)  # (slots, H_kv, d)
+            v_pool[block, :count] = v[:, rows].transpose(0, 1)
+        keys.append(k)
+        values.append(v)
+    q = randn(batch, heads, t_q, d, seed=seed + 99)
+    q, k_pool, v_pool = (t.to(dtype).to(DEVICE) for t in (q, k_pool, v_pool))
+    keys = [k.to(dtype).double() for k in keys]  # rounded as the pools are
+    values = [v.to(dtype).double() for v in values]
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    return q, k_pool, v_pool, table.to(DEVICE), lens, keys, values
+
+
+def _expected(q, keys, values, lengths):
+    """Float64: query i of sequence b (position L_b - T_q + i) over keys 0 .. its position."""
+    q = q.detach().cpu().double()
+    batch, heads, t_q, d = q.shape
+    group = heads // keys[0].shape[0]
+    out = torch.zeros(batch, heads, t_q, d, dtype=torch.float64)
+    for b, n in enumerate(lengths):
+        for h in range(heads):
+            for i in range(t_q):
+                seen = torch.arange(0, n - t_q + i + 1)  # causal, bottom-right
+                k, v = keys[b][h // group, seen], values[b][h // group, seen]
+                weights = torch.softmax(k @ q[b, h, i] / math.sqrt(d), dim=0)
+                out[b, h, i] = weights @ v
+    return out
+
+
+# (lengths, H, H_kv, T_q): ragged decoding steps (T_q = 1) with GQA and MQA, a chunk of 7 after a
+# cache, and sequences whose last block is full or holds one key.
+CASES = [
+    ([37, 5, 64, 1], 4, 2, 1),
+    ([50, 16, 33], 4, 1, 1),
+    ([40, 13], 2, 2, 7),
+    ([32, 17], 6, 2, 3),
+]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("case", CASES)
+def test_torch_twin_equals_gather_and_softmax(case, block_size) -> None:
+    lengths, heads, kv_heads, t_q = case
+    q, k_pool, v_pool, table, lens, keys, values = _paged(
+        lengths, heads, kv_heads, t_q, 24, block_size, torch.float64
+    )
+    out = paged_attention_torch(q, k_pool, v_pool, table, lens)
+    torch.testing.assert_close(out, _expected(q, keys, values, lengths), rtol=1e-12, atol=1e-12)
+
+
+@TRITON
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("case", CASES)
+def test_triton_equals_gather_and_softmax(case, block_size) -> None:
+    lengths, heads, kv_heads, t_q = case
+    for dtype in (torch.float32, torch.float16):
+        q, k_pool, v_pool, table, lens, keys, values = _paged(
+            lengths, heads, kv_heads, t_q, 40, block_size, dtype, seed=block_size
+        )
+        out = kernels.triton_paged_attention(q, k_pool, v_pool, table, lens)
+        assert out.dtype == dtype and out.shape == q.shape and torch.isfinite(out).all()
+        expected = _expected(q, keys, values, lengths)
+        tolerance = TOLERANCE[dtype]
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=tolerance, atol=tolerance)
+
+
+@TRITON
+def test_decode_split_over_blocks_and_odd_block_sizes() -> None:
+    # One decoding step over 200 keys in blocks of 5 (a block smaller than a key tile, so a tile
+    # gathers from several blocks), split 1, 4 and 9 ways; the merge must not depend on it.
+    from mha.kernels.paged import paged_forward
+
+    lengths = [200, 77]
+    q, k_pool, v_pool, table, lens, keys, values = _paged(lengths, 4, 2, 1, 32, 5, torch.float32)
+    expected = _expected(q, keys, values, lengths)
+    for splits in (1, 4, 9):
+        out, lse = paged_forward(q, k_pool, v_pool, table, lens, num_splits=splits)
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-5, atol=2e-5)
+        assert torch.isfinite(lse).all()
+
+
+@TRITON
+def test_the_kernel_reads_no_block_outside_the_table() -> None:
+    # NaN in every pool block that no table entry reaches, and in the slots past each length
+    # (a pool from torch.empty may hold anything there): a read of anything but the sequence's
+    # own keys would turn the output NaN (0 * NaN). The twin gathers more, and zeros it.
+    lengths = [21, 35]
+    q, k_pool, v_pool, table, lens, keys, values = _paged(
+        lengths, 2, 1, 1, 16, 16, torch.float32, spare=4
+    )
+    reached = set()
+    for b, n in enumerate(lengths):
+        for j in range(-(-n // 16)):
+            block = int(table[b, j])
+            reached.add(block)
+            stop = n - j * 16  # slots of this block past the length
+            if stop < 16:
+                k_pool[block, stop:], v_pool[block, stop:] = math.nan, math.nan
+    for block in set(range(k_pool.shape[0])) - reached:
+        k_pool[block], v_pool[block] = math.nan, math.nan
+    out = kernels.triton_paged_attention(q, k_pool, v_pool, table, lens)
+    twin = paged_attention_torch(q.double(), k_pool.double(), v_pool.double(), table, lens)
+    expected = _expected(q, keys, values, lengths)
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(twin.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["triton", "torch"])
+def test_bad_input_is_refused_by_name(implementation) -> None:
+    if implementation == "triton" and not kernels.TRITON_AVAILABLE:
+        pytest.skip("triton is not installed")
+    run = kernels.triton_paged_attention if implementation == "triton" else paged_attention_torch
+    q = torch.zeros(2, 4, 1, 16, device=DEVICE)
+    pool = torch.zeros(6, 16, 2, 16, device=DEVICE)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([20, 3], dtype=torch.int32, device=DEVICE)
+    run(q, pool, pool, table, lens)  # the good call
+    with pytest.raises(ValueError, match=r"q must have shape \(B, H, T_q, d\)"):
+        run(q[0], pool, pool, table, lens)
+    with pytest.raises(ValueError, match=r"k_pool must have shape \(num_blocks, block_size"):
+        run(q, pool[0], pool, table, lens)
+    with pytest.raises(ValueError, match="with q's d = 16"):
+        run(q, pool[..., :8], pool[..., :8], table, lens)
+    with pytest.raises(ValueError, match="H_kv must divide H"):
+        run(q[:, :3], pool, pool, table, lens)
+    with pytest.raises(TypeError, match="one dtype"):
+        run(q, pool.double(), pool, table, lens)
+    with pytest.raises(TypeError, match="block_table must be an integer tensor"):
+        run(q, pool, pool, table.float(), lens)
+    with pytest.raises(ValueError, match=r"seq_lens must have B = 2 rows"):
+        run(q, pool, pool, table, lens[:1])
+    with pytest.raises(ValueError, match=r"seq_lens must lie between T_q = 1 .* and .* = 32"):
+        run(q, pool, pool, table, torch.tensor([33, 3], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match=r"seq_lens must lie between T_q = 1"):
+        run(q, pool, pool, table, torch.tensor([0, 3], dtype=torch.int32, device=DEVICE))
+    bad = torch.tensor([[0, 6], [2, 3]], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"block_table must hold pool blocks 0 \.\. 5"):
+        run(q, pool, pool, bad, lens)
+    unused = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32, device=DEVICE)
+    run(q, pool, pool, unused, lens)  # an entry past a sequence's length is never read
+    with pytest.raises(TypeError, match="q must be a torch.Tensor, got list"):
+        run([[0.0]], pool, pool, table, lens)
+    if implementation == "triton":
+        with pytest.raises(TypeError, match="float32, float16 or bfloat16, got torch.float64"):
+            run(q.double(), pool.double(), pool.double(), table, lens)
+
+
+@TRITON
+def test_the_pools_are_never_copied() -> None:
+    # Every aten operation the call makes, watched at torch's dispatcher: none takes the pools
+    # as an input (no gather, no copy, no .contiguous()): the kernel reads them through the
+    # table. The bytes the call allocates are its partial results, not the cache's.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    q, k_pool, v_pool, table, lens, _, _ = _paged([70, 33], 4, 2, 1, 32, 16, torch.float32)
+    pools = {k_pool.data_ptr(), v_pool.data_ptr()}
+    touched = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat = [*args, *(kwargs or {}).values()]
+            if any(isinstance(a, torch.Tensor) and a.data_ptr() in pools for a in flat):
+                # Triton's interpreter copies every argument to emulate GPU memory: not ours
+                stack = [frame.filename for frame in traceback.extract_stack()]
+                if not any("triton/runtime/interpreter" in name for name in stack):
+                    touched.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        out = kernels.triton_paged_attention(q, k_pool, v_pool, table, lens)
+    assert touched == [] and torch.isfinite(out).all()
+    with Watch():
+        paged_attention_torch(q, k_pool, v_pool, table, lens)
+    assert touched  # the twin gathers (the watch sees it)
+
+
+@TRITON
+def test_a_chunk_whose_rows_fill_several_tiles() -> None:
+    # 4 query heads on one key/value head (MQA) and a chunk of 6 queries: 24 packed rows, two
+    # row tiles of 16, the second half empty; ragged lengths, blocks of 16.
+    lengths = [40, 30]
+    q, k_pool, v_pool, table, lens, keys, values = _paged(lengths, 4, 1, 6, 32, 16, torch.float32)
+    out = kernels.triton_paged_attention(q, k_pool, v_pool, table, lens)
+    expected = _expected(q, keys, values, lengths)
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-5, atol=2e-5)
