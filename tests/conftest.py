@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import mha.kernels  # noqa: F401
 import numpy as np
 import pytest
+
+# Triton chooses interpreted or compiled when it decorates a function, its own standard library
+# (tl.max, tl.sum, ...) included, when it is first imported. mha.kernels makes that choice
+# (the interpreter where there is no GPU) before any test, or torch's compiler, imports triton.
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -170,8 +170,12 @@ def raw_things(text: str, notebook: dict) -> list[str]:
 
 
 def solution_lines(notebook: dict) -> list[str]:
-    """A telling line of every cell inside a solution: its first line of code or prose."""
-    lines, inside = [], False
+    """A telling line of every cell inside a solution: its first line of code or prose.
+
+    A line that a cell outside the solutions shows too (an exercise's skeleton has the
+    solution's signature) tells nothing, and is left out.
+    """
+    lines, outside, inside = [], [], False
     for cell in notebook["cells"]:
         source = "".join(cell["source"])
         if "{solution-start}" in source:
@@ -184,7 +188,9 @@ def solution_lines(notebook: dict) -> list[str]:
             )
             if first and not re.search(r"[$`{\\]", first):  # plain text, as a browser shows it
                 lines.append(first)
-    return lines
+        else:
+            outside.append(source)
+    return [line for line in lines if not any(line in text for text in outside)]
 
 
 @pytest.fixture(scope="module")
