@@ -72,9 +72,11 @@ def _triton_importable() -> bool:
         return False
 
 
-# Decided before mha.kernels.attention decorates its kernels. (Were triton
-# imported already, by torch for instance, its own jitted helpers stay
-# compiled; the kernels here do not call them.)
+# Decided before mha.kernels.attention decorates its kernels. Were triton
+# imported already (by torch's compiler, say), its own jitted helpers
+# (tl.max, tl.sum, ...) stay compiled, and a kernel that calls one fails in
+# the interpreter ("Cannot call @triton.jit'd outside of the scope of a
+# kernel"): import mha.kernels before anything that imports triton.
 if (
     "TRITON_INTERPRET" not in os.environ
     and _triton_importable()
