@@ -573,7 +573,7 @@ def _compare(
     worst_error = error.flatten()[worst].item()
     if 5 * TOLERANCE < worst_error < 0.02:  # rounding, not a formula
         raise Failed(
-            f"{what} is off by up to {worst_error:.2g} (relative; tolerance "
+            f"{what} is off by up to {worst_error:.1g} (relative; tolerance "
             f"{TOLERANCE:g}): the rounding of numbers with 10 bits of "
             "mantissa (2^-11 = 4.9e-4), not float32's. Either the "
             "accumulator, or p @ v, was kept in float16: keep m, ell and acc "
