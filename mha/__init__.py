@@ -23,6 +23,7 @@ pin it (``tests/test_rooms.py`` keeps the table true):
 * :mod:`mha.parallel` - heads across processes
 * :mod:`mha.variants` - masks and scores as functions, FlexAttention
 * :mod:`mha.caches` - the key/value cache protocol and its caches
+* :mod:`mha.blocks` - the block allocator of the paged caches
 * :mod:`mha.configs` - one reader of transformers' configurations
 * :mod:`mha.environment` - what measured figures depend on
 * :mod:`mha.backends` - attention backends by name, each with its masks

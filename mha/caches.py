@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from ._validate import check_int
+from .blocks import BlockAllocator
 
 __all__ = [
     "Cache",
@@ -241,16 +242,21 @@ class PagedKVCache:
     """Keys and values in fixed-size blocks from one pool (vLLM's layout).
 
     The pool holds ``num_blocks`` blocks of ``block_size`` positions,
-    ``key_blocks`` and ``value_blocks`` (num_blocks + 1, H_kv, block_size,
-    d_k); the last one is a null block that is never handed out. Row ``b``'s
+    ``key_blocks`` and ``value_blocks`` (num_blocks + 1, block_size, H_kv,
+    d_k), the layout :func:`mha.kernels.triton_paged_attention` reads; the
+    last block is a null block that is never handed out. Row ``b``'s
     position ``p`` lives in block ``block_table[b, p // block_size]`` at
-    offset ``p % block_size``. A block is taken from the pool only when a
-    row's first position in it is written (:meth:`reserve`), and
-    :meth:`free` gives a finished row's blocks back: memory follows the
-    tokens, not ``max_len`` (Kwon et al. 2023). Same ``update`` / ``len`` /
-    ``reset`` / ``truncate`` as :class:`KVCache`; ``update`` gathers each
-    row's blocks into (B, H_kv, T_k, d_k) for the attention (vLLM's kernels
-    read the blocks where they lie).
+    offset ``p % block_size``. The blocks come from a
+    :class:`mha.blocks.BlockAllocator`, the serving engine's: one is made
+    here, or ``allocator`` is taken (its ``num_blocks`` and ``block_size``,
+    every block free). A block is taken when a row's first position in it
+    is written (:meth:`reserve`), and :meth:`free` gives a finished row's
+    blocks back: memory follows the tokens, not ``max_len`` (Kwon et al.
+    2023). Same ``update`` / ``len`` / ``reset`` / ``truncate`` as
+    :class:`KVCache`; ``update`` gathers each row's blocks into (B, H_kv,
+    T_k, d_k) for attention that takes keys in a row, while :meth:`write`
+    stores the new keys only, for a kernel that reads the blocks where they
+    lie (:meth:`pages`).
     """
 
     def __init__(
@@ -260,44 +266,68 @@ class PagedKVCache:
         num_kv_heads: int,
         head_dim: int,
         *,
-        block_size: int = 16,
+        block_size: int | None = None,
         num_blocks: int | None = None,
+        allocator: BlockAllocator | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         dtype = dtype or torch.get_default_dtype()
         _check_cache_args(batch, num_kv_heads, head_dim, dtype)
         self.max_len = check_int("max_len", max_len)
-        self.block_size = check_int("block_size", block_size)
-        self.blocks_per_row = -(-max_len // block_size)  # ceil
-        if num_blocks is None:  # enough for every row at max_len
-            num_blocks = batch * self.blocks_per_row
-        self.num_blocks = check_int("num_blocks", num_blocks)
+        if allocator is None:
+            block_size = check_int("block_size", block_size or 16)
+            if num_blocks is None:  # enough for every row at max_len
+                num_blocks = batch * -(-max_len // block_size)
+            allocator = BlockAllocator(
+                check_int("num_blocks", num_blocks), block_size,
+                prefix_caching=False,
+            )  # fmt: skip
+        _check_allocator(allocator, block_size, num_blocks)
+        self.allocator = allocator
+        self.num_blocks, self.block_size = (
+            allocator.num_blocks,
+            allocator.block_size,
+        )
+        self.blocks_per_row = -(-max_len // self.block_size)  # ceil
         self.batch, self.num_kv_heads, self.head_dim = (
             batch,
             num_kv_heads,
             head_dim,
         )
-        shape = (num_blocks + 1, num_kv_heads, block_size, head_dim)
+        shape = (self.num_blocks + 1, self.block_size, num_kv_heads, head_dim)
         self.key_blocks = torch.zeros(shape, dtype=dtype, device=device)
         self.value_blocks = torch.zeros(shape, dtype=dtype, device=device)
         self.dtype, self.device = dtype, self.key_blocks.device
-        self.null_block = num_blocks  # where a row without a block points
+        self.null_block = self.num_blocks  # where a row without a block points
         self.block_table = torch.full(
-            (batch, self.blocks_per_row), num_blocks, device=self.device
-        )  # (B, blocks per row)
+            (batch, self.blocks_per_row), self.null_block,
+            dtype=torch.int32, device=self.device,
+        )  # (B, blocks per row)  # fmt: skip
         self.length = torch.zeros((), dtype=torch.int64, device=self.device)
         self._count: tuple[int, int] | None = None  # see _host_count
         self.reset()
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v (B, H_kv, T, d_k) into the rows' blocks; return all.
+        """Write k, v (B, H_kv, T, d_k) into the rows' blocks; return all,
+        gathered: (B, H_kv, T_k, d_k).
 
         Eagerly the blocks are reserved here; a compiled step needs
         :meth:`reserve` called before it (vLLM's scheduler, too, hands out
         blocks before the model runs). Compiled, every row's ``max_len``
         positions come back; the layer masks those not yet written.
         """
+        self.write(k, v)
+        end = self.max_len if torch.compiler.is_compiling() else len(self)
+        used = self.block_table[:, : -(-end // self.block_size)]
+        return self._gather(self.key_blocks, used, end), self._gather(
+            self.value_blocks, used, end
+        )
+
+    def write(self, k: Tensor, v: Tensor) -> None:
+        """Store k, v (B, H_kv, T, d_k) in the rows' blocks and nothing
+        else: the only bytes a step moves when a kernel reads the blocks
+        where they lie (:meth:`pages`)."""
         self.check_update(*_update_shape(k, v), k.dtype, k.device, v=v)
         T = k.shape[2]
         if not torch.compiler.is_compiling():
@@ -311,19 +341,23 @@ class PagedKVCache:
                 "PagedKVCache: reserve() the blocks before a compiled step",
             )
         # blocks[b, t], offsets[t] <- k[b, :, t]: (B, T, H_kv, d_k)
-        self.key_blocks[blocks, :, offsets] = k.transpose(1, 2)
-        self.value_blocks[blocks, :, offsets] = v.transpose(1, 2)
+        self.key_blocks[blocks, offsets] = k.transpose(1, 2)
+        self.value_blocks[blocks, offsets] = v.transpose(1, 2)
         self.length += T
-        end = self.max_len if torch.compiler.is_compiling() else len(self)
-        used = self.block_table[:, : -(-end // self.block_size)]
-        return self._gather(self.key_blocks, used, end), self._gather(
-            self.value_blocks, used, end
+
+    def pages(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(key_blocks, value_blocks, block_table, seq_lens)`` as
+        :func:`mha.kernels.triton_paged_attention` takes them: the pools
+        themselves, not copies, and (B,) int32 lengths, ``len(self)``."""
+        lens = torch.full(
+            (self.batch,), len(self), dtype=torch.int32, device=self.device
         )
+        return self.key_blocks, self.value_blocks, self.block_table, lens
 
     def _gather(self, pool: Tensor, table: Tensor, end: int) -> Tensor:
         """Each row's blocks, in order: (B, H_kv, end, d_k)."""
-        rows = pool[table]  # (B, n, H_kv, block_size, d_k)
-        rows = rows.transpose(1, 2).flatten(2, 3)  # (B, H_kv, n bs, d_k)
+        rows = pool[table]  # (B, n, block_size, H_kv, d_k)
+        rows = rows.flatten(1, 2).transpose(1, 2)  # (B, H_kv, n bs, d_k)
         return rows[:, :, :end]
 
     def reserve(self, new_tokens: int) -> None:
@@ -333,15 +367,15 @@ class PagedKVCache:
         last = -(-(len(self) + new_tokens) // self.block_size)
         rows = [b for b, on in enumerate(self.active.tolist()) if on]
         needed = (last - first) * len(rows)
-        if needed > len(self._free):
+        if needed > self.allocator.num_free:
             raise ValueError(
-                f"the pool has {len(self._free)} free blocks of "
+                f"the pool has {self.allocator.num_free} free blocks of "
                 f"{self.block_size} positions; {new_tokens} new tokens for "
                 f"{len(rows)} rows need {needed}"
             )
         for b in rows:
             for i in range(first, last):
-                self.block_table[b, i] = self._free.pop()
+                self.block_table[b, i] = self.allocator.allocate()
 
     def free(self, row: int) -> None:
         """Give row ``row``'s blocks back to the pool: its sequence is done.
@@ -356,7 +390,7 @@ class PagedKVCache:
     @property
     def blocks_in_use(self) -> int:
         """Blocks taken from the pool and not given back."""
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.allocator.num_free
 
     def __len__(self) -> int:
         return _host_count(self)
@@ -368,8 +402,9 @@ class PagedKVCache:
 
     def reset(self) -> None:
         """Forget every cached token; every block goes back to the pool."""
-        self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack
-        self.block_table.fill_(self.null_block)
+        if self.blocks_in_use:  # (a new cache holds none)
+            for b in range(self.batch):
+                self._release(b, 0)
         self.active = torch.ones(
             self.batch, dtype=torch.bool, device=self.device
         )
@@ -386,13 +421,36 @@ class PagedKVCache:
 
     def _release(self, row: int, keep: int) -> None:
         """Row ``row``'s blocks from index ``keep`` on, back to the pool."""
-        for i in range(keep, self.blocks_per_row):
-            block = int(self.block_table[row, i])
-            if block != self.null_block:
-                self._free.append(block)
-                self.block_table[row, i] = self.null_block
+        held = [int(i) for i in self.block_table[row, keep:].tolist()]
+        self.allocator.free([i for i in held if i != self.null_block])
+        self.block_table[row, keep:] = self.null_block
 
     check_update = KVCache.check_update
+
+
+def _check_allocator(
+    allocator: BlockAllocator, block_size: int | None, num_blocks: int | None
+) -> None:
+    """``allocator`` is a fresh :class:`BlockAllocator` of these sizes."""
+    if not isinstance(allocator, BlockAllocator):
+        raise TypeError(
+            "allocator must be an mha.blocks.BlockAllocator, got "
+            f"{type(allocator).__name__}"
+        )
+    for name, asked in (
+        ("block_size", block_size),
+        ("num_blocks", num_blocks),
+    ):
+        if asked is not None and asked != getattr(allocator, name):
+            raise ValueError(
+                f"{name} must be the allocator's ({getattr(allocator, name)})"
+                f" or None, got {asked}"
+            )
+    if allocator.num_free != allocator.num_blocks:
+        raise ValueError(
+            "allocator must have every block free (the cache's pool is its "
+            f"own), got {allocator.num_blocks - allocator.num_free} in use"
+        )
 
 
 def _host_count(cache: KVCache | PagedKVCache) -> int:

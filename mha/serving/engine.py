@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from .._validate import check_int
+from ..blocks import BlockAllocator
 from ..model import CausalLM, sample
 from .batch import PagedLayer, StepPlan
-from .blocks import BlockAllocator
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 

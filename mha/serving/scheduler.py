@@ -13,7 +13,7 @@ budget of ``max_num_batched_tokens`` tokens:
 2. then waiting requests, while budget is left and the pool has blocks for
    every token of the request (its prompt; after a preemption, its prompt
    and what it had generated): admitted, they take those blocks (reusing
-   cached ones, :class:`~mha.serving.blocks.BlockAllocator`) and the
+   cached ones, :class:`~mha.blocks.BlockAllocator`) and the
    first chunk of what is left to compute.
 
 So one step mixes decode tokens with prefill chunks (chunked prefill,
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .blocks import BlockAllocator, OutOfBlocks, block_hashes
+from ..blocks import BlockAllocator, OutOfBlocks, block_hashes
 from .sequence import Sequence, Status
 
 __all__ = ["Scheduler"]

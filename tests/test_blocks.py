@@ -1,6 +1,6 @@
 """The block allocator: reference counts, chained hashes, the free list, the prefix cache.
 
-Expected values are worked out by hand from the rules in mha/serving/blocks.py's docstring: a full
+Expected values are worked out by hand from the rules in mha/blocks.py's docstring: a full
 block is found again only after the same prefix, blocks are shared by count, freed blocks wait in
 least-recently-freed order, a sequence is freed last block first.
 """
@@ -13,8 +13,8 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mha.serving import blocks as blocks_module
-from mha.serving.blocks import BlockAllocator, OutOfBlocks, block_hashes, chain_hash
+from mha import blocks as blocks_module
+from mha.blocks import BlockAllocator, OutOfBlocks, block_hashes, chain_hash
 
 SIZE = 4  # positions per block, small enough to write prompts by hand
 
@@ -131,7 +131,7 @@ def test_a_hash_collision_is_not_a_hit(monkeypatch) -> None:
 def test_hashes_are_equal_in_another_process() -> None:
     # Prefix caching across engine restarts, or across processes, needs hashes without a seed
     # (hash(None) is an address in CPython 3.11: chain_hash never hashes None).
-    code = "from mha.serving.blocks import block_hashes; print(block_hashes(list(range(12)), 4))"
+    code = "from mha.blocks import block_hashes; print(block_hashes(list(range(12)), 4))"
     other = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout

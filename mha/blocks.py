@@ -9,6 +9,11 @@ block whose count drops to zero joins the end of the free list but keeps its
 hash: a later prompt may still find it until :meth:`BlockAllocator.allocate`
 takes it (the least recently freed first). A sequence is freed last block
 first, so a shared prefix outlives its tails.
+
+One allocator serves both paged caches: :class:`mha.PagedKVCache` (a
+model's ``generate``, without the prefix cache) and the serving engine
+(:mod:`mha.serving`, with it). It sits a floor below both and imports
+nothing of the package but its checks.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from .._validate import check_int
+from ._validate import check_int
 
 __all__ = ["BlockAllocator", "OutOfBlocks", "block_hashes", "chain_hash"]
 
