@@ -137,3 +137,50 @@ def test_memory_follows_the_tokens() -> None:
     assert peak == 6
     preallocated = KVCache(4, max_len, 1, 2)
     assert preallocated.keys.shape[2] * 4 == 256  # positions held, whatever the lengths
+
+
+def test_the_cache_takes_its_blocks_from_the_serving_allocator() -> None:
+    # One allocator for both paged caches: the cache's blocks are counted by a BlockAllocator
+    # (reference counts by hand: one per held block), and a row's blocks go back to it.
+    from mha.blocks import BlockAllocator
+
+    allocator = BlockAllocator(6, 4, prefix_caching=False)
+    cache = PagedKVCache(2, 10, 1, 2, allocator=allocator)
+    assert cache.allocator is allocator and (cache.block_size, cache.num_blocks) == (4, 6)
+    k = torch.ones(2, 1, 5, 2)
+    cache.update(k, k)  # ceil(5 / 4) = 2 blocks per row
+    assert allocator.num_free == 2 and allocator.ref_counts == [1, 1, 1, 1, 0, 0]
+    cache.free(0)
+    assert allocator.num_free == 4 and sorted(allocator.ref_counts) == [0, 0, 0, 0, 1, 1]
+    assert isinstance(PagedKVCache(1, 8, 1, 2).allocator, BlockAllocator)  # its own
+
+
+def test_a_wrong_allocator_is_refused_by_name() -> None:
+    from mha.blocks import BlockAllocator
+
+    with pytest.raises(TypeError, match="allocator must be an mha.blocks.BlockAllocator"):
+        PagedKVCache(1, 8, 1, 2, allocator=object())
+    with pytest.raises(ValueError, match=r"block_size must be the allocator's \(4\).*got 16"):
+        PagedKVCache(1, 8, 1, 2, block_size=16, allocator=BlockAllocator(4, 4))
+    with pytest.raises(ValueError, match=r"num_blocks must be the allocator's \(4\).*got 9"):
+        PagedKVCache(1, 8, 1, 2, num_blocks=9, allocator=BlockAllocator(4, 4))
+    busy = BlockAllocator(4, 4)
+    busy.allocate()
+    with pytest.raises(ValueError, match="allocator must have every block free.*1 in use"):
+        PagedKVCache(1, 8, 1, 2, allocator=busy)
+
+
+def test_write_stores_the_new_keys_and_pages_hands_out_the_pools_themselves() -> None:
+    # pages() is what the paged kernel reads: the pool tensors (no copy), the block table and
+    # each row's length; the keys of row b, position p sit at block_table[b, p // 4], p % 4.
+    cache = PagedKVCache(2, 12, 2, 3, block_size=4, dtype=torch.float64)
+    k, v = randn(2, 2, 6, 3, seed=5).double(), randn(2, 2, 6, 3, seed=6).double()
+    cache.write(k, v)
+    k_pool, v_pool, table, lens = cache.pages()
+    assert k_pool is cache.key_blocks and v_pool is cache.value_blocks
+    assert table.dtype == torch.int32 and lens.tolist() == [6, 6] and lens.dtype == torch.int32
+    for b in range(2):
+        for p in range(6):
+            block = int(table[b, p // 4])
+            assert torch.equal(k_pool[block, p % 4], k[b, :, p])  # (H_kv, d_k)
+            assert torch.equal(v_pool[block, p % 4], v[b, :, p])
