@@ -130,21 +130,34 @@ class Backend:
     function: Callable[[Tensor, Tensor, Tensor, Masking], Tensor]
     masks: frozenset[str]
     summary: str
+    #: ``paged(q, k_pool, v_pool, block_table, seq_lens, *, key_start,
+    #: window) -> out``: attention over a paged cache read where its blocks
+    #: lie (:meth:`mha.PagedKVCache.pages`), or None (the blocks gathered)
+    paged: Callable[..., Tensor] | None = None
 
 
 #: name -> :class:`Backend`, in the order of registration.
 BACKENDS: dict[str, Backend] = {}
 
 
-def register(name: str, *, masks: tuple[str, ...], summary: str):
+def register(
+    name: str,
+    *,
+    masks: tuple[str, ...],
+    summary: str,
+    paged: Callable[..., Tensor] | None = None,
+):
     """Decorator: ``function(q, k, v, masking) -> out`` as backend ``name``,
-    taking the kinds of mask ``masks`` (of :data:`MASK_KINDS`)."""
+    taking the kinds of mask ``masks`` (of :data:`MASK_KINDS`); ``paged``:
+    its kernel for a paged cache, if it has one (:class:`Backend`)."""
     unknown = set(masks) - set(MASK_KINDS)
     if unknown:
         raise ValueError(f"masks must be among {MASK_KINDS}, got {unknown}")
 
     def add(function):
-        BACKENDS[name] = Backend(name, function, frozenset(masks), summary)
+        BACKENDS[name] = Backend(
+            name, function, frozenset(masks), summary, paged
+        )
         return function
 
     return add
@@ -290,10 +303,22 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     return _sliced(run, q, k, v, masking)
 
 
+def _triton_paged(q, k_pool, v_pool, block_table, seq_lens, *, key_start,
+                  window) -> Tensor:  # fmt: skip
+    """The paged kernel (chapter 17): keys and values read in the pool."""
+    from . import kernels
+
+    return kernels.triton_paged_attention(
+        q, k_pool, v_pool, block_table, seq_lens, key_start=key_start,
+        window=window,
+    )  # fmt: skip
+
+
 @register(
     "triton",
     masks=("causal", "window", "padding"),
     summary="mha.kernels (Triton)",
+    paged=_triton_paged,
 )
 def triton(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     """The Triton kernels (chapter 13): the tiled forward, the split-KV

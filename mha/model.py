@@ -27,7 +27,11 @@ from .backends import Masking, attend, get_backend
 from .caches import Cache, KVCache, PagedKVCache, cached_so_far
 from .configs import ModelConfig, read_config
 from .decoding import GroupedQueryAttention
-from .functional import merge_heads, split_heads
+from .functional import (
+    key_start_from_attention_mask,
+    merge_heads,
+    split_heads,
+)
 from .positions import rope_cos_sin, rotate_pairs
 
 __all__ = ["RMSNorm", "MLP", "Attention", "DecoderLayer", "CausalLM", "sample"]
@@ -65,7 +69,10 @@ class MLP(nn.Module):
 class Attention(GroupedQueryAttention):
     """A model's attention layer: :class:`mha.GroupedQueryAttention`'s
     projections and RoPE, Qwen3's q/k norms, a sliding window, and the
-    attention itself by a named backend (:func:`mha.backends.attend`)."""
+    attention itself by a named backend (:func:`mha.backends.attend`).
+    With a :class:`mha.PagedKVCache` and a backend that has a paged kernel
+    (``triton``), only the new keys and values are written and the kernel
+    reads the others in their blocks; other backends get them gathered."""
 
     def __init__(
         self,
@@ -120,8 +127,19 @@ class Attention(GroupedQueryAttention):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_cos_sin(positions, d_k, self.rope, q.dtype)
         q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
-        if hasattr(cache, "attend"):  # a serving step (mha.serving.batch)
+        if hasattr(cache, "attend"):  # a serving step (mha.serving.layer)
             heads = cache.attend(q, k, v, self.window)  # reads the pool
+            return self.o_proj(merge_heads(heads))  # (B, T, D)
+        paged = isinstance(cache, PagedKVCache) and get_backend(self.backend)
+        if paged and paged.paged and not torch.compiler.is_compiling():
+            cache.write(k, v)  # the new keys only: the kernel reads the pool
+            key_start = None
+            if padding is not None:  # (B,) int32: each row's first key
+                key_start = key_start_from_attention_mask(
+                    padding[:, : len(cache)]
+                )
+            heads = paged.paged(q, *cache.pages(), key_start=key_start,
+                                window=self.window)  # fmt: skip
             return self.o_proj(merge_heads(heads))  # (B, T, D)
         masking = Masking(window=self.window, padding=padding)
         if cache is not None:

@@ -2,8 +2,9 @@
 
 transformers' model is built here from a small configuration with random weights (nothing from a
 hub) and its state_dict loaded into ours, strictly, both ways. The matrix: every backend x
-{prompt, cached decode, chunk after a cache, left-padded batch, paged cache, compiled decode
-step} x {float32, bfloat16}. The reference is transformers' model run on the whole sequence at
+{prompt, cached decode, chunk after a cache, left-padded batch, paged cache, left-padded batch
+in a paged cache, compiled decode step} x {float32, bfloat16} (on triton, the paged kernel reads
+the paged cache in place, the window and the left padding as its own masks). The reference is transformers' model run on the whole sequence at
 once: what a cache, a chunk or a page changes must change nothing. float32: logits within 1e-4.
 bfloat16 (flash-attention's rule): no further from a float64 run of transformers' model than
 twice transformers' own bfloat16 run. A backend that does not serve a cell must refuse it with a
@@ -46,7 +47,7 @@ SMALL = dict(
     max_position_embeddings=256,
 )
 B, T, WINDOW, PADS = 2, 12, 6, 4
-CASES = ["prompt", "decode", "chunk", "padded", "paged", "compiled"]
+CASES = ["prompt", "decode", "chunk", "padded", "paged", "paged_padded", "compiled"]
 BACKEND_NAMES = ["eager", "sdpa", "tiled", "triton", "flex"]
 
 
@@ -93,8 +94,8 @@ def run_case(model: CausalLM, case: str) -> torch.Tensor:
         return torch.cat(
             [model(ids[:, a:b], caches=caches) for a, b in [(0, 5), (5, 9), (9, T)]], 1
         )
-    if case == "padded":  # a left-padded prompt, then one token at a time
-        caches = model.new_caches(B, T)
+    if case in ("padded", "paged_padded"):  # a left-padded prompt, then one token at a time
+        caches = model.new_caches(B, T) if case == "padded" else paged_caches(model)
         steps = [model(ids[:, :8], mask[:, :8], positions[:, :8], caches)]
         for t in range(8, T):
             steps.append(
@@ -102,18 +103,7 @@ def run_case(model: CausalLM, case: str) -> torch.Tensor:
             )
         return torch.cat(steps, dim=1)
     if case == "paged":
-        attn = model.model.layers[0].self_attn
-        caches = [
-            PagedKVCache(
-                B,
-                T,
-                attn.num_kv_heads,
-                attn.head_dim,
-                block_size=4,
-                dtype=attn.q_proj.weight.dtype,
-            )
-            for _ in model.model.layers
-        ]
+        caches = paged_caches(model)
     else:
         caches = model.new_caches(B, T)
     steps = [model(ids[:, :7], caches=caches)]
@@ -126,13 +116,23 @@ def run_case(model: CausalLM, case: str) -> torch.Tensor:
     return torch.cat(steps, dim=1)
 
 
+def paged_caches(model: CausalLM) -> list[PagedKVCache]:
+    """Blocks of 4 positions (the triton backend reads them in place, the others gather)."""
+    attn = model.model.layers[0].self_attn
+    dtype = attn.q_proj.weight.dtype
+    return [
+        PagedKVCache(B, T, attn.num_kv_heads, attn.head_dim, block_size=4, dtype=dtype)
+        for _ in model.model.layers
+    ]
+
+
 @torch.no_grad()
 def reference(dtype: str, case: str) -> torch.Tensor:
     """transformers' model on the whole sequence; for "padded", each row alone, without its
     pads (transformers' float64 eager run of a padded batch gives NaN)."""
     ids, mask, _ = inputs()
     model = transformers_models()[dtype]
-    if case != "padded":
+    if case not in ("padded", "paged_padded"):
         return model(ids).logits
     logits = torch.zeros(B, T, model.config.vocab_size, dtype=model.dtype)
     for b in range(B):  # each row alone, without its pads
@@ -144,7 +144,8 @@ def reference(dtype: str, case: str) -> torch.Tensor:
 def compared(case: str) -> torch.Tensor:
     """(B, T) True where the logits are compared: every token but the pads."""
     _, mask, _ = inputs()
-    return mask.bool() if case == "padded" else torch.ones(B, T, dtype=torch.bool)
+    padded = case in ("padded", "paged_padded")
+    return mask.bool() if padded else torch.ones(B, T, dtype=torch.bool)
 
 
 def refusal(backend: str, dtype: str, case: str) -> str | None:
@@ -209,7 +210,7 @@ def test_greedy_tokens_equal_transformers_over_32_steps(backend: str) -> None:
     model = ours(backend, "float32")
     actual = model.generate(ids[:, :6], 32, attention_mask=mask[:, :6])
     assert torch.equal(actual, expected)
-    if backend == "sdpa":
+    if backend in ("sdpa", "triton"):  # triton: the paged kernel reads the blocks in place
         paged = model.generate(ids[:, :6], 32, attention_mask=mask[:, :6], cache="paged")
         assert torch.equal(paged, expected)
 

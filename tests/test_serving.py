@@ -225,11 +225,6 @@ def test_bad_engines_are_refused_by_name() -> None:
         Engine(tiny_model(), num_blocks=0)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         Engine(tiny_model(), num_blocks=8, max_num_batched_tokens=0)
-    windowed = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
-                             num_hidden_layers=1, num_attention_heads=4,
-                             num_key_value_heads=2, sliding_window=4)  # fmt: skip
-    with pytest.raises(ValueError, match="sliding window"):
-        Engine(CausalLM.from_config(windowed), num_blocks=8)
 
 
 class CopiesOutOf(TorchDispatchMode):
@@ -272,13 +267,54 @@ def test_a_decode_step_copies_nothing_out_of_the_pool() -> None:
     assert copied["triton"] == 0  # the kernel reads the blocks where they lie
     # the torch twin gathers both rows to the longest length, 22 positions: k and v of 2 layers
     assert copied["sdpa"] == 2 * 2 * (2 * 22 * 2 * 8 * 4)
-    # chapter 12's PagedKVCache gathers too: one row, 21 positions in two blocks of 16
-    caches = model.new_caches(1, 32, kind="paged")
-    model(torch.tensor([list(range(3, 23))]), caches=caches)
-    pools = [t for cache in caches for t in (cache.key_blocks, cache.value_blocks)]
-    with CopiesOutOf(pools) as counter:
-        model(torch.tensor([[5]]), caches=caches)
-    assert counter.bytes == 2 * 2 * (1 * 2 * 32 * 8 * 4)
+
+
+def test_the_models_paged_cache_copies_nothing_on_the_triton_backend() -> None:
+    # model.generate's PagedKVCache (chapter 12): a left-padded batch of two rows (3 pads in row
+    # 0), 20 positions, then one decode step. On sdpa the cache gathers every row's blocks: two
+    # blocks of 16 per row, k and v, 2 layers, H_kv = 2, d_k = 8, float32. On triton the paged
+    # kernel reads them in place (and hides row 0's pads through key_start): nothing is copied,
+    # and the step's logits are the gathered path's.
+    model = tiny_model(eos=None, dtype=torch.float32)
+    ids = torch.tensor([list(range(3, 23)), list(range(30, 50))])
+    mask = torch.ones(2, 21, dtype=torch.int64)
+    mask[0, :3] = 0
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    copied, logits = {}, {}
+    for backend in ("sdpa", "triton"):
+        model.set_attention_backend(backend)
+        caches = model.new_caches(2, 32, kind="paged")
+        with torch.no_grad():
+            model(ids, mask[:, :20], positions[:, :20], caches)
+            pools = [t for cache in caches for t in (cache.key_blocks, cache.value_blocks)]
+            with CopiesOutOf(pools) as counter:
+                logits[backend] = model(torch.tensor([[5], [6]]), mask, positions[:, 20:], caches)
+        copied[backend] = counter.bytes
+    model.set_attention_backend("sdpa")
+    assert copied["sdpa"] == 2 * 2 * (2 * 2 * 32 * 8 * 4)
+    assert copied["triton"] == 0
+    torch.testing.assert_close(logits["triton"], logits["sdpa"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_sliding_window_model_is_served() -> None:
+    # Mistral with a window of 4 (shorter than every prompt): the engine's paged attention hides
+    # what the window hides, on the torch twin (float64) and on the Triton kernel (float32).
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                           num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, sliding_window=4,
+                           max_position_embeddings=128)  # fmt: skip
+    prompts = [list(range(3, 14)), list(range(20, 27)), list(range(40, 49))]
+    for backend, dtype in (("sdpa", torch.float64), ("triton", torch.float32)):
+        torch.manual_seed(0)
+        model = CausalLM.from_config(config, dtype=dtype, attn_backend=backend).eval()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(3), layer.self_attn.k_proj.weight.mul_(3)
+        want = [model.generate(torch.tensor([p]), 5)[0, len(p) :].tolist() for p in prompts]
+        engine = Engine(model, num_blocks=24, block_size=4, max_num_batched_tokens=8)
+        ids = [engine.add_request(p, 5) for p in prompts]
+        got = engine.run()
+        assert [got[i] for i in ids] == want, backend
 
 
 def test_the_triton_paged_kernel_serves_the_engine() -> None:

@@ -2,9 +2,10 @@
 
 One idea per module, floors bottom up: :mod:`.sequence` (a request),
 :mod:`.scheduler` (waiting and running queues, chunked prefill,
-preemption), :mod:`.batch` (a step's tokens as each attention layer reads
-them through the block tables) and :mod:`.engine` (:class:`Engine`:
-requests in, one forward per step, tokens out). The kernel that reads
+preemption), :mod:`.batch` (a step's tokens, their slots and groups),
+:mod:`.layer` (one layer's pools, read through the step's block tables)
+and :mod:`.engine` (:class:`Engine`: requests in, one forward per step,
+tokens out). The kernel that reads
 the blocks where they are is :func:`mha.kernels.triton_paged_attention`;
 ``serving`` imports ``kernels``, never the other way. The block allocator
 (reference counts, chained hashes of full blocks, the free list, the

@@ -1,26 +1,25 @@
-"""One step's mixed batch, as each attention layer reads it from the pool.
+"""One step's mixed batch: which tokens run, where their keys go, what each
+query sees.
 
 The engine lays a step's tokens out in one row: the newest token of every
-decoding request first, then each prefill chunk, (1, N) tokens in all. Each
-layer has a :class:`PagedLayer`: its pools ``k_pool``, ``v_pool``
-(num_blocks, block_size, H_kv, d_k), shared by every request through their
-block tables. Given the step's :class:`StepPlan`, its :meth:`attend`
-writes the new keys and values into their slots (the only bytes it moves)
-and computes attention through the block tables, where the blocks lie: one
-call for all decode tokens (T_q = 1 each), one per prefill chunk (the
-chunk's T_q newest positions of its request). The model's attention layer
-calls :meth:`attend` in place of a cache's ``update`` (:mod:`mha.model`).
+decoding request first, then each prefill chunk, (1, N) tokens in all.
+:class:`StepPlan` holds that row, the pool slot of each token's keys and
+values, and the groups of queries that one attention call serves: all
+decode tokens together (T_q = 1 each), and each prefill chunk alone (its
+request's T_q newest positions), each group with its block tables and
+lengths as :func:`mha.kernels.triton_paged_attention` takes them. Every
+layer reads the same plan (:mod:`.layer`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 from torch import Tensor
 
-__all__ = ["StepPlan", "PagedLayer"]
+__all__ = ["StepPlan"]
 
 
 @dataclass
@@ -45,6 +44,8 @@ class StepPlan:
     blocks: Tensor
     offsets: Tensor
     groups: list[tuple[int, int, Tensor, Tensor]]
+    block_size: int
+    _gathers: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, batch: list, block_size: int, device) -> StepPlan:
@@ -71,60 +72,28 @@ class StepPlan:
             *tensor(slots).T,  # blocks (N,), offsets (N,)
             [(first, end, _table(seqs, tensor),
               tensor(lens, dtype=torch.int32))
-             for first, end, seqs, lens in groups],
+             for first, end, seqs, lens in groups], block_size,
         )  # fmt: skip
 
-
-class PagedLayer:
-    """One layer's key and value pools, read through block tables."""
-
-    max_len = None  # positions live in the pool, not in a fixed row
-    seen = 0  # each token's position comes with the step (position_ids)
-
-    def __init__(self, num_blocks, block_size, num_kv_heads, head_dim,
-                 *, dtype, device, attention) -> None:  # fmt: skip
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_pool = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_pool = torch.zeros(shape, dtype=dtype, device=device)
-        self.attention = attention  # (q, k_pool, v_pool, table, lens)
-        self.plan: StepPlan | None = None
-
-    def check_update(self, batch, num_kv_heads, new_tokens, head_dim,
-                     dtype, device, *, v=None) -> None:  # fmt: skip
-        """Raise unless the new keys fit the pool: (1, H_kv, N, d_k)."""
-        pool = self.k_pool
-        if (batch, num_kv_heads, head_dim) != (1, *pool.shape[2:]) or (
-            dtype != pool.dtype
-        ):
-            raise ValueError(
-                f"a paged step takes keys (1, H_kv, N, d_k) with (H_kv, d_k)"
-                f" = {tuple(pool.shape[2:])} in {pool.dtype}, got "
-                f"{(batch, num_kv_heads, new_tokens, head_dim)} in {dtype}"
-            )
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, window=None) -> Tensor:
-        """q (1, H, N, d_k), new k, v (1, H_kv, N, d_k) -> (1, H, N, d_k)."""
-        if window is not None:
-            raise ValueError(
-                f"the paged kernel takes no sliding window, got {window}"
-            )
-        plan = self.plan
-        # token n's keys and values into its slot: (N, H_kv, d_k)
-        self.k_pool[plan.blocks, plan.offsets] = k[0].transpose(0, 1)
-        self.v_pool[plan.blocks, plan.offsets] = v[0].transpose(0, 1)
-        parts = []
-        for first, end, table, lens in plan.groups:
-            if len(lens) > 1:  # decode tokens, one per request
-                rows = q[0, :, first:end].transpose(0, 1)[:, :, None]
-            else:  # a chunk of one request
-                rows = q[:, :, first:end]  # (1, H, T_q, d_k)
-            out = self.attention(
-                rows.contiguous(), self.k_pool, self.v_pool, table, lens
-            )
-            if len(lens) > 1:
-                out = out[:, :, 0].transpose(0, 1)[None]  # (1, H, B, d_k)
-            parts.append(out)
-        return torch.cat(parts, dim=2)  # (1, H, N, d_k)
+    def gather(self, group: int, window: int | None):
+        """Where group ``group``'s keys lie and what each query sees, for
+        attention over gathered keys: blocks (B, L) and slots (L,) of key
+        positions 0 .. L - 1, and the mask (B, 1, T_q, L), True = may
+        attend (causal, bottom-right to each length, within ``window``).
+        Made once per step and window, and shared by every layer."""
+        if (group, window) not in self._gathers:
+            first, end, table, lens = self.groups[group]
+            t_q = 1 if len(lens) > 1 else end - first
+            keys = torch.arange(int(lens.max()), device=lens.device)  # (L,)
+            own = lens[:, None] - t_q + torch.arange(t_q, device=lens.device)
+            distance = own[:, None, :, None] - keys  # (B, 1, T_q, L)
+            keep = distance >= 0
+            if window is not None:
+                keep &= distance < window
+            blocks = table[:, keys // self.block_size].long()  # (B, L)
+            slots = keys % self.block_size  # (L,)
+            self._gathers[group, window] = (blocks, slots, keep)
+        return self._gathers[group, window]
 
 
 def _decoding(seq) -> bool:

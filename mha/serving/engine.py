@@ -5,7 +5,7 @@ queues a prompt at any time, :meth:`~Engine.step` asks the scheduler for the
 step's work (decode tokens and prefill chunks, :mod:`.scheduler`), lays it
 out as one row of tokens with each token's own position, runs the model once
 over it (every attention layer reading keys and values through the block
-tables, :mod:`.batch`), samples the next token of every request whose
+tables, :mod:`.layer`), samples the next token of every request whose
 tokens are all computed, and frees the blocks of finished requests.
 :meth:`~Engine.run` steps until every request is done.
 """
@@ -17,9 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from .._validate import check_int
+from ..backends import get_backend
 from ..blocks import BlockAllocator
 from ..model import CausalLM, sample
-from .batch import PagedLayer, StepPlan
+from .batch import StepPlan
+from .layer import PagedLayer
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
@@ -45,8 +47,9 @@ class Engine:
 
     ``max_num_batched_tokens``: tokens one forward computes at most (decode
     tokens and prefill chunks together). Attention reads the pool through
-    :func:`mha.kernels.triton_paged_attention` when the model's backend is
-    ``triton``, else through its torch twin.
+    the backend's paged kernel (``triton``:
+    :func:`mha.kernels.triton_paged_attention`), else gathers each step's
+    keys (:mod:`.layer`).
     """
 
     def __init__(self, model: CausalLM, *, num_blocks: int,
@@ -55,11 +58,6 @@ class Engine:
         if not isinstance(model, CausalLM):
             raise TypeError(
                 f"model must be an mha.CausalLM, got {type(model).__name__}"
-            )
-        if any(w is not None for w in model.config.windows):
-            raise ValueError(
-                "model: a sliding window is not served by the paged kernel "
-                f"(windows {model.config.windows})"
             )
         self.max_num_batched_tokens = check_int(
             "max_num_batched_tokens", max_num_batched_tokens
@@ -70,7 +68,7 @@ class Engine:
         )
         self.scheduler = Scheduler(self.allocator, max_num_batched_tokens)
         attn, weight = model.model.layers[0].self_attn, model.lm_head.weight
-        attention = _paged_attention(model.attn_backend)
+        attention = get_backend(model.attn_backend).paged
         self.layers = [
             PagedLayer(num_blocks, block_size, attn.num_kv_heads,
                        attn.head_dim, dtype=weight.dtype,
@@ -79,9 +77,7 @@ class Engine:
         ]  # fmt: skip
         self.stats = EngineStats()
         self.requests: dict[int, Sequence] = {}
-        self.last_batch: list[
-            tuple[int, int]
-        ] = []  # (id, tokens), decodes first
+        self.last_batch: list[tuple[int, int]] = []  # (id, tokens)
 
     def add_request(self, prompt_ids, max_new_tokens: int, **sampling) -> int:
         """Queue ``prompt_ids`` (a list or 1-D tensor of token ids) for at
@@ -147,17 +143,5 @@ class Engine:
         """Step until every request is done; {id: generated token ids}."""
         while self.scheduler.has_work():
             self.step()
-        return {
-            i: seq.generated
-            for i, seq in self.requests.items()
-            if seq.status is Status.FINISHED
-        }
-
-
-def _paged_attention(backend: str):
-    """The paged kernel on the ``triton`` backend, else its torch twin."""
-    from .. import kernels
-
-    if backend == "triton":
-        return kernels.triton_paged_attention
-    return kernels.paged_attention_torch
+        return {i: seq.generated for i, seq in self.requests.items()
+                if seq.status is Status.FINISHED}  # fmt: skip

@@ -1,0 +1,81 @@
+"""One attention layer's key and value pools, read through the step's plan.
+
+Each layer of the served model has a :class:`PagedLayer`: its pools
+``k_pool``, ``v_pool`` (num_blocks, block_size, H_kv, d_k), shared by every
+request through their block tables. The model's attention layer calls
+:meth:`PagedLayer.attend` in place of a cache's ``update``
+(:mod:`mha.model`): it writes the step's new keys and values into their
+slots and computes attention for each group of the step's
+:class:`~mha.serving.batch.StepPlan`. With the backend's paged kernel
+(``triton``) the blocks are read where they lie and the new keys are the
+only bytes moved; otherwise each group's keys are gathered (the index and
+the mask made once per step, for every layer) and
+``F.scaled_dot_product_attention`` takes them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .batch import StepPlan
+
+__all__ = ["PagedLayer"]
+
+
+class PagedLayer:
+    """One layer's key and value pools, read through block tables."""
+
+    max_len = None  # positions live in the pool, not in a fixed row
+    seen = 0  # each token's position comes with the step (position_ids)
+
+    def __init__(self, num_blocks, block_size, num_kv_heads, head_dim,
+                 *, dtype, device, attention) -> None:  # fmt: skip
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_pool = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_pool = torch.zeros(shape, dtype=dtype, device=device)
+        self.attention = attention  # a paged kernel, or None: gathered
+        self.plan: StepPlan | None = None
+
+    def check_update(self, batch, num_kv_heads, new_tokens, head_dim,
+                     dtype, device, *, v=None) -> None:  # fmt: skip
+        """Raise unless the new keys fit the pool: (1, H_kv, N, d_k)."""
+        pool = self.k_pool
+        if (batch, num_kv_heads, head_dim) != (1, *pool.shape[2:]) or (
+            dtype != pool.dtype
+        ):
+            raise ValueError(
+                f"a paged step takes keys (1, H_kv, N, d_k) with (H_kv, d_k)"
+                f" = {tuple(pool.shape[2:])} in {pool.dtype}, got "
+                f"{(batch, num_kv_heads, new_tokens, head_dim)} in {dtype}"
+            )
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, window=None) -> Tensor:
+        """q (1, H, N, d_k), new k, v (1, H_kv, N, d_k) -> (1, H, N, d_k)."""
+        plan = self.plan
+        # token n's keys and values into its slot: (N, H_kv, d_k)
+        self.k_pool[plan.blocks, plan.offsets] = k[0].transpose(0, 1)
+        self.v_pool[plan.blocks, plan.offsets] = v[0].transpose(0, 1)
+        parts = []
+        for first, end, table, lens in plan.groups:
+            if len(lens) > 1:  # decode tokens, one per request
+                rows = q[0, :, first:end].transpose(0, 1)[:, :, None]
+            else:  # a chunk of one request
+                rows = q[:, :, first:end]  # (1, H, T_q, d_k)
+            if self.attention is None:  # keys gathered, then SDPA
+                blocks, slots, keep = plan.gather(len(parts), window)
+                k_rows = self.k_pool[blocks, slots].transpose(1, 2)
+                v_rows = self.v_pool[blocks, slots].transpose(1, 2)
+                out = F.scaled_dot_product_attention(
+                    rows, k_rows, v_rows, attn_mask=keep, enable_gqa=True
+                )  # (B, H, T_q, d_k)
+            else:  # a kernel that reads the blocks where they lie
+                out = self.attention(
+                    rows.contiguous(), self.k_pool, self.v_pool, table,
+                    lens, key_start=None, window=window,
+                )  # fmt: skip
+            if len(lens) > 1:
+                out = out[:, :, 0].transpose(0, 1)[None]  # (1, H, B, d_k)
+            parts.append(out)
+        return torch.cat(parts, dim=2)  # (1, H, N, d_k)
