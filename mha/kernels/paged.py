@@ -113,9 +113,11 @@ def _paged_kernel(
     for first in range(start, stop, BLOCK_K):
         cols = first + tl.arange(0, BLOCK_K)  # key positions
         visible = cols < stop
+        # the table is read up to the length (its entries there are checked
+        # pool blocks): masking this load by the floor too made ptxas spill
+        block = tl.load(table + (cols // BLOCK_SIZE) * stride_tj, visible, 0)
         if HAS_KEY_START or HAS_WINDOW:  # hidden from every row: not loaded
             visible = visible & (cols >= floor)
-        block = tl.load(table + (cols // BLOCK_SIZE) * stride_tj, visible, 0)
         slot = cols % BLOCK_SIZE
         exists = visible[:, None] & (dims[None, :] < HEAD_DIM)
         k_tile = (KPool + block[:, None] * stride_kn
