@@ -197,15 +197,24 @@ def test_committed_inspection_used_the_default_tiles() -> None:
 
 
 def test_committed_inspection_with_key_starts_has_no_spills() -> None:
-    # The same builds with per-row key starts (python -m mha.kernels --inspect --key-start): the
-    # key padding of left-padded batches must not make any build spill either.
+    # The same builds with per-row key starts (python -m mha.kernels --inspect --key-start), the
+    # paged kernel's included: the key padding of left-padded batches must not make any build
+    # spill either.
     files = sorted((ROOT / "benchmarks").glob("kernels_key_start_2*.json"))
     assert files, "no committed results of python -m mha.kernels --inspect --key-start"
     result = json.loads(files[-1].read_text())
     rows = result["builds"]
-    assert len(rows) == 4 * 2 * 3 * 6 * 2 and all(row["key_start"] for row in rows)
-    assert "paged" not in {row["kernel"] for row in rows}
+    assert len(rows) == 4 * 2 * 3 * 6 * 2 + 2 * 3 * 6 and all(row["key_start"] for row in rows)
+    builds = {(r["kernel"], r["arch"], r["dtype"], r["head_dim"], r["causal"]) for r in rows}
+    assert len(builds) == len(rows)
+    paged = [row for row in rows if row["kernel"] == "paged"]
+    assert len(paged) == 2 * 3 * 6 and all(row["causal"] for row in paged)
     for row in rows:
         assert row["spill_bytes"] == 0 and row["stack_bytes"] == 0, row
         assert row["shared_bytes"] <= LIMITS[row["arch"]], row
     assert result["command"].startswith("python -m mha.kernels --inspect --key-start")
+    if "paged_builds" in result:  # the paged kernel's builds, compiled later
+        assert result["paged_builds"]["command"].startswith(
+            "python -m mha.kernels --inspect --key-start --kernel paged"
+        )
+        assert result["paged_builds"]["environment"]["git_commit"]

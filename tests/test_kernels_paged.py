@@ -56,8 +56,9 @@ def _paged(lengths, heads, kv_heads, t_q, d, block_size, dtype, seed=0, spare=3)
     return q, k_pool, v_pool, table.to(DEVICE), lens, keys, values
 
 
-def _expected(q, keys, values, lengths):
-    """Float64: query i of sequence b (position L_b - T_q + i) over keys 0 .. its position."""
+def _expected(q, keys, values, lengths, key_start=None, window=None):
+    """Float64: query i of sequence b (position p = L_b - T_q + i) over keys max(key_start[b],
+    p - window + 1) .. p; zeros for a query that sees no key."""
     q = q.detach().cpu().double()
     batch, heads, t_q, d = q.shape
     group = heads // keys[0].shape[0]
@@ -65,7 +66,13 @@ def _expected(q, keys, values, lengths):
     for b, n in enumerate(lengths):
         for h in range(heads):
             for i in range(t_q):
-                seen = torch.arange(0, n - t_q + i + 1)  # causal, bottom-right
+                p = n - t_q + i
+                first = 0 if key_start is None else key_start[b]
+                if window is not None:
+                    first = max(first, p - window + 1)
+                if first > p:
+                    continue  # no key: zeros
+                seen = torch.arange(first, p + 1)  # causal, bottom-right, masked
                 k, v = keys[b][h // group, seen], values[b][h // group, seen]
                 weights = torch.softmax(k @ q[b, h, i] / math.sqrt(d), dim=0)
                 out[b, h, i] = weights @ v
@@ -228,3 +235,171 @@ def test_a_chunk_whose_rows_fill_several_tiles() -> None:
     out = kernels.triton_paged_attention(q, k_pool, v_pool, table, lens)
     expected = _expected(q, keys, values, lengths)
     torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-5, atol=2e-5)
+
+
+# Masks: (lengths, H, H_kv, T_q, key_start, window). Ragged key starts (a row with none, rows
+# whose pads fill whole blocks of 16 and of 32, a row of pads only), windows smaller than a block
+# and longer than every sequence, decoding steps and chunks, GQA and MQA, both masks at once.
+MASK_CASES = {
+    "key_start_decode_gqa": ([37, 5, 70, 20], 4, 2, 1, [3, 0, 40, 20], None),
+    "key_start_chunk_mqa": ([40, 13, 66], 4, 1, 7, [35, 0, 33], None),
+    "window_decode_mqa": ([50, 16, 33], 4, 1, 1, None, 5),
+    "window_chunk_gqa": ([40, 13], 6, 2, 3, None, 4),
+    "window_longer_than_every_sequence": ([40, 13], 2, 2, 7, None, 100),
+    # 4 heads x 6 queries = 24 packed rows: the second row tile starts at query 4 of head 2 and
+    # holds query 0 of head 3, whose window (positions 29..31 of row 0) begins a key tile earlier
+    "window_chunk_mqa_two_row_tiles": ([37, 29], 4, 1, 6, None, 3),
+    "both_decode_gqa": ([70, 9, 45], 4, 2, 1, [36, 0, 30], 20),
+    "both_chunk_mqa": ([45, 30], 4, 1, 5, [17, 24], 9),
+}
+
+
+def _masked_case(name, block_size, dtype, seed=0, d=24):
+    lengths, heads, kv_heads, t_q, starts, window = MASK_CASES[name]
+    q, k_pool, v_pool, table, lens, keys, values = _paged(
+        lengths, heads, kv_heads, t_q, d, block_size, dtype, seed=seed
+    )
+    key_start = None if starts is None else torch.tensor(starts, device=DEVICE)
+    expected = _expected(q, keys, values, lengths, starts, window)
+    # Each mask given must matter here: dropping it changes the output by far more than any
+    # tolerance below, so a kernel that ignored it would fail (but a window longer than every
+    # sequence, which must hide nothing).
+    given = {"key_start": starts, "window": window}
+    for dropped in [mask for mask, value in given.items() if value is not None]:
+        other = _expected(q, keys, values, lengths, **{**given, dropped: None})
+        change = (other - expected).abs().max()
+        if dropped == "window" and window >= max(lengths):
+            assert change == 0, name
+        else:
+            assert change > 0.05, (name, dropped)
+    masks = {"key_start": key_start, "window": window}
+    return (q, k_pool, v_pool, table, lens), masks, expected
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("name", MASK_CASES)
+def test_torch_twin_masks_equal_gather_and_softmax(name, block_size) -> None:
+    for dtype in (torch.float64, torch.float32):
+        args, masks, expected = _masked_case(name, block_size, dtype)
+        out = paged_attention_torch(*args, **masks)
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        tolerance = TOLERANCE[dtype]
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=tolerance, atol=tolerance)
+
+
+@TRITON
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("name", MASK_CASES)
+def test_triton_masks_equal_gather_and_softmax(name, block_size) -> None:
+    # float32 (the kernel takes no float64; float16 as the unmasked test does)
+    for dtype in (torch.float32, torch.float16):
+        args, masks, expected = _masked_case(name, block_size, dtype, seed=block_size, d=40)
+        out = kernels.triton_paged_attention(*args, **masks)
+        assert out.dtype == dtype and out.shape == args[0].shape and torch.isfinite(out).all()
+        tolerance = TOLERANCE[dtype]
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=tolerance, atol=tolerance)
+
+
+@TRITON
+def test_masked_decode_split_over_blocks() -> None:
+    # A decoding step over 200 keys in blocks of 5, split 1, 4 and 9 ways, with the masks: the
+    # splits wholly before a key start or a window hold no key of the row and must weigh nothing
+    # in the merge (logsumexp -inf); a split cut by the key start or the window starts mid-tile.
+    from mha.kernels.paged import paged_forward
+
+    lengths, starts = [200, 77], [130, 9]
+    q, k_pool, v_pool, table, lens, keys, values = _paged(lengths, 4, 2, 1, 32, 5, torch.float32)
+    key_start = torch.tensor(starts, device=DEVICE)
+    for masks, ours in (
+        ({"key_start": key_start}, {"key_start": starts}),
+        ({"window": 45}, {"window": 45}),
+        ({"key_start": key_start, "window": 45}, {"key_start": starts, "window": 45}),
+    ):
+        expected = _expected(q, keys, values, lengths, **ours)
+        unmasked = _expected(q, keys, values, lengths)
+        assert (expected - unmasked).abs().max() > 0.05  # the mask matters
+        for splits in (1, 4, 9):
+            out, lse = paged_forward(q, k_pool, v_pool, table, lens, num_splits=splits, **masks)
+            torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-5, atol=2e-5)
+            assert torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("implementation", ["triton", "torch"])
+def test_a_query_that_sees_no_key_gets_zeros(implementation) -> None:
+    # A chunk of 4 queries at positions 26..29 of row 0, whose pads end at 28: the first two
+    # queries stand on pads and see no key; row 1 is pads only (key_start = its length).
+    if implementation == "triton" and not kernels.TRITON_AVAILABLE:
+        pytest.skip("triton is not installed")
+    lengths, starts = [30, 20], [28, 20]
+    q, k_pool, v_pool, table, lens, keys, values = _paged(lengths, 4, 2, 4, 16, 16, torch.float32)
+    key_start = torch.tensor(starts, device=DEVICE)
+    if implementation == "triton":
+        from mha.kernels.paged import paged_forward
+
+        out, lse = paged_forward(q, k_pool, v_pool, table, lens, key_start=key_start, window=3)
+        hidden = torch.zeros_like(lse, dtype=torch.bool)
+        hidden[0, :, :2], hidden[1] = True, True
+        assert (lse[hidden] == -math.inf).all() and torch.isfinite(lse[~hidden]).all()
+    else:
+        out = paged_attention_torch(q, k_pool, v_pool, table, lens, key_start=key_start, window=3)
+    assert torch.isfinite(out).all()
+    assert (out[0, :, :2] == 0).all() and (out[1] == 0).all()
+    assert (out[0, :, 2:] != 0).any()
+    expected = _expected(q, keys, values, lengths, starts, 3)
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-5, atol=2e-5)
+
+
+@TRITON
+def test_the_kernel_reads_no_pad_and_no_key_before_every_window() -> None:
+    # NaN in the pads (positions before key_start) and, for the window, in the keys before the
+    # window of the row's only query (a decoding step): a key that is hidden from every row is
+    # never loaded (0 * NaN would turn the output NaN).
+    lengths, starts, window = [70, 40], [40, 3], 10
+    q, k_pool, v_pool, table, lens, keys, values = _paged(lengths, 4, 2, 1, 16, 16, torch.float32)
+    for b, n in enumerate(lengths):
+        hidden = max(starts[b], n - window)  # positions 0 .. hidden - 1 are seen by no query
+        for j in range(hidden):
+            block = int(table[b, j // 16])
+            k_pool[block, j % 16], v_pool[block, j % 16] = math.nan, math.nan
+    key_start = torch.tensor(starts, device=DEVICE)
+    out = kernels.triton_paged_attention(
+        q, k_pool, v_pool, table, lens, key_start=key_start, window=window
+    )
+    expected = _expected(q, keys, values, lengths, starts, window)
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("implementation", ["triton", "torch"])
+def test_bad_masks_are_refused_by_name(implementation) -> None:
+    if implementation == "triton" and not kernels.TRITON_AVAILABLE:
+        pytest.skip("triton is not installed")
+    run = kernels.triton_paged_attention if implementation == "triton" else paged_attention_torch
+    q = torch.zeros(2, 4, 1, 16, device=DEVICE)
+    pool = torch.zeros(6, 16, 2, 16, device=DEVICE)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([20, 3], dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([20, 0], device=DEVICE)
+    run(q, pool, pool, table, lens, key_start=starts, window=1)  # the good call
+    with pytest.raises(ValueError, match="window must be a positive int, got 0"):
+        run(q, pool, pool, table, lens, window=0)
+    with pytest.raises(ValueError, match="window must be a positive int, got -3"):
+        run(q, pool, pool, table, lens, window=-3)
+    with pytest.raises(TypeError, match="window must be an int, got bool True"):
+        run(q, pool, pool, table, lens, window=True)
+    with pytest.raises(TypeError, match="window must be an int, got float 2.5"):
+        run(q, pool, pool, table, lens, window=2.5)
+    with pytest.raises(TypeError, match="key_start must be an integer tensor, got dtype"):
+        run(q, pool, pool, table, lens, key_start=starts.float())
+    with pytest.raises(TypeError, match="key_start must be a torch.Tensor, got list"):
+        run(q, pool, pool, table, lens, key_start=[20, 0])
+    with pytest.raises(ValueError, match=r"key_start must have shape \(B,\) = \(2,\), got"):
+        run(q, pool, pool, table, lens, key_start=starts[:, None])
+    with pytest.raises(ValueError, match="key_start must have B = 2 rows"):
+        run(q, pool, pool, table, lens, key_start=starts[:1])
+    with pytest.raises(ValueError, match="key_start must be on q's device"):
+        run(q, pool, pool, table, lens, key_start=starts.to("meta"))
+    between = "key_start must lie between 0 and seq_lens"
+    with pytest.raises(ValueError, match=between + r" .* got \[21, 0\] with seq_lens \[20, 3\]"):
+        run(q, pool, pool, table, lens, key_start=torch.tensor([21, 0], device=DEVICE))
+    with pytest.raises(ValueError, match=between + r" .* got \[0, -1\]"):
+        run(q, pool, pool, table, lens, key_start=torch.tensor([0, -1], device=DEVICE))

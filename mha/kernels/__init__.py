@@ -173,16 +173,23 @@ def triton_paged_attention(
     seq_lens: Tensor,
     *,
     scale: float | None = None,
+    key_start: Tensor | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Attention over keys and values held in the blocks of a pool.
 
     q (B, H, T_q, d): the last T_q positions of each sequence; k_pool,
     v_pool (num_blocks, block_size, H_kv, d); block_table (B, max_blocks)
     int32; seq_lens (B,) int32, counting the T_q queries (causal, aligned
-    bottom-right to each sequence's length). The blocks are read where they
-    are (no gather), GQA by packing a group's query heads into one tile,
-    a decoding step split over the blocks. Forward only. See
-    :mod:`mha.kernels.paged`; :func:`paged_attention_torch` is its twin.
+    bottom-right to each sequence's length). ``key_start`` (B,) integers,
+    or None: sequence b's first key_start[b] positions are pads (a
+    left-padded batch), hidden and never read. ``window``, a positive int
+    or None: a query sees only its ``window`` newest keys, itself included
+    (a sliding window). A query that sees no key gets zeros. The blocks
+    are read where they are (no gather), GQA by packing a group's query
+    heads into one tile, a decoding step split over the blocks. Forward
+    only. See :mod:`mha.kernels.paged`; :func:`paged_attention_torch` is
+    its twin.
 
     Raises:
         ModuleNotFoundError: Triton cannot be imported here.
@@ -190,7 +197,10 @@ def triton_paged_attention(
     _require_triton("triton_paged_attention")
     from .paged import triton_paged_attention as run
 
-    return run(q, k_pool, v_pool, block_table, seq_lens, scale=scale)
+    return run(
+        q, k_pool, v_pool, block_table, seq_lens, scale=scale,
+        key_start=key_start, window=window,
+    )  # fmt: skip
 
 
 def paged_attention_torch(
@@ -201,12 +211,18 @@ def paged_attention_torch(
     seq_lens: Tensor,
     *,
     scale: float | None = None,
+    key_start: Tensor | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """:func:`triton_paged_attention` in plain torch (it gathers the
-    blocks): no Triton needed. See :mod:`mha.kernels.paged_torch`."""
+    blocks), the same masks included: no Triton needed. See
+    :mod:`mha.kernels.paged_torch`."""
     from .paged_torch import paged_attention_torch as run
 
-    return run(q, k_pool, v_pool, block_table, seq_lens, scale=scale)
+    return run(
+        q, k_pool, v_pool, block_table, seq_lens, scale=scale,
+        key_start=key_start, window=window,
+    )  # fmt: skip
 
 
 def compile_report(fn, *example_args, archs=("sm_80", "sm_90")) -> list:

@@ -124,7 +124,7 @@ def parser() -> argparse.ArgumentParser:
         "--key-start",
         action="store_true",
         help="compile the kernels with per-row key starts (a left-padded "
-        "batch); the paged kernel, which takes none, is left out",
+        "batch)",
     )
     p.add_argument(
         "--cubin-dir",

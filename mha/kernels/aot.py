@@ -95,7 +95,7 @@ def example_launches(
         return torch.empty((batch, h, length, d), dtype=kind, device="meta")
 
     if kernel == "paged":
-        return [_paged_launch(dtype, head_dim, major)]
+        return [_paged_launch(dtype, head_dim, major, key_start)]
     t_q = 1 if kernel == "split_kv" else t
     q, k, v = tensor(heads, t_q), tensor(kv_heads, t), tensor(kv_heads, t)
     lse = torch.empty((batch, heads, t_q), device="meta")
@@ -132,9 +132,15 @@ def example_launches(
     return [launches[names.index(kernel)]]
 
 
-def _paged_launch(dtype: torch.dtype, head_dim: int, major: tuple[int, int]):
+def _paged_launch(
+    dtype: torch.dtype,
+    head_dim: int,
+    major: tuple[int, int],
+    key_start: bool = False,
+):
     """A decoding step of the paged kernel: the example's sequences held in
-    blocks of 16 positions of one pool."""
+    blocks of 16 positions of one pool; ``key_start``: with per-row key
+    starts (a left-padded batch)."""
     from .paged import paged_launch
 
     batch, heads, kv_heads, t = EXAMPLE.values()
@@ -148,6 +154,7 @@ def _paged_launch(dtype: torch.dtype, head_dim: int, major: tuple[int, int]):
         (batch, t // block_size), dtype=torch.int32, device="meta"
     )
     lens = torch.empty((batch,), dtype=torch.int32, device="meta")
+    starts = torch.empty((batch,), dtype=torch.int32, device="meta")
     tiles = kernels.default_tiles("paged", head_dim, dtype, major)
     rows = heads // kv_heads  # a group's query heads, one query each
     programs = batch * kv_heads * -(-rows // tiles.block_q)
@@ -161,6 +168,7 @@ def _paged_launch(dtype: torch.dtype, head_dim: int, major: tuple[int, int]):
     return paged_launch(
         q, pool, pool, table, lens, partial, partial[..., 0],
         scale=head_dim**-0.5, tiles=tiles, keys_per_split=keys,
+        key_start=starts if key_start else None,
     )  # fmt: skip
 
 
@@ -268,8 +276,8 @@ def inspect_builds(
     key_start: bool = False,
 ) -> Iterator[dict]:
     """Compile each (kernel, arch, dtype, head_dim, causal) and yield its
-    row; ``key_start``: the kernels with per-row key starts (left padding),
-    which the paged kernel does not take (it is left out)."""
+    row; ``key_start``: the kernels with per-row key starts (left padding).
+    The paged kernel is causal by its lengths: causal builds only."""
     if INTERPRETED is not False:
         raise RuntimeError(
             "the kernels were decorated for Triton's interpreter: inspect in "
@@ -279,8 +287,6 @@ def inspect_builds(
         for dtype in dtypes:
             for head_dim in head_dims:
                 for name in kernel_names:
-                    if key_start and name == "paged":
-                        continue
                     # the paged kernel is causal by its lengths: no flag
                     masks = (True,) if name == "paged" else causal
                     for masked in masks:

@@ -5,7 +5,9 @@ Triton's CPU interpreter) rather than this module directly. The layout and
 the semantics are those of :mod:`mha.kernels.paged_torch`: pools
 (num_blocks, block_size, H_kv, d), a block table (B, max_blocks), lengths
 (B,), queries (B, H, T_q, d) that are each sequence's last T_q positions,
-causal aligned bottom-right to each sequence's own length.
+causal aligned bottom-right to each sequence's own length, and the two
+optional masks: ``key_start`` (B,), the pads of a left-padded batch hidden,
+and ``window``, a sliding window of the newest keys.
 
 One program takes one tile of rows of one (sequence, key/value head) and
 one range ("split") of that sequence's keys. The rows pack the query heads
@@ -19,6 +21,18 @@ copied out of the pool. Each split writes its softmax output and
 logsumexp, and the splits are merged as in the split-KV kernel
 (:func:`mha.kernels.attention.merge_partials`): a decoding step is split
 over the blocks, a chunk after a cache is one split or several.
+
+The masks follow the dense kernels of :mod:`mha.kernels.attention`: without
+them the kernel is compiled without their code (``HAS_KEY_START`` and
+``HAS_WINDOW`` are constexprs; the key starts are a pointer and the window a
+runtime int, passed only with them). The key tiles that lie wholly before
+``key_start[b]``, or wholly before the window of every row of the program's
+tile, are skipped: the loop over a split's keys starts at the later of the
+split's first key and that bound (rounded down to a key tile), and the keys
+before it are never loaded. Within the loop each row keeps the keys j with
+``key_start[b] <= j`` and ``p - j < window``, p its position. A row that
+sees no key gets zeros and a logsumexp of -inf, never NaN; so does a split
+that holds none of a row's keys, and the merge gives such a split no weight.
 """
 
 from __future__ import annotations
@@ -57,6 +71,8 @@ def _paged_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
     PRECISION: tl.constexpr,
+    KeyStart=None, HAS_KEY_START: tl.constexpr = False,  # (B,) int32
+    window=None, HAS_WINDOW: tl.constexpr = False,  # a positive int
 ):  # fmt: skip
     """One program: rows (heads of a group x queries) against one split."""
     split, r_block, batch_kv = (
@@ -79,6 +95,17 @@ def _paged_kernel(
     position = seq_len - t_q + query  # each row's own position
     start = split * keys_per_split
     stop = tl.minimum(seq_len, start + keys_per_split)
+    floor = 0  # no row of the tile sees a key before it
+    if HAS_KEY_START:  # left padding: pads hidden
+        key_start = tl.load(KeyStart + b)
+        floor = key_start
+    if HAS_WINDOW:  # the window of the tile's earliest row
+        first_query = (r_block * BLOCK_Q) % t_q
+        # the tile's rows run on to the next head's query 0, or stay in one
+        lowest = tl.where(first_query + BLOCK_Q > t_q, 0, first_query)
+        floor = tl.maximum(floor, seq_len - t_q + lowest - window + 1)
+    if HAS_KEY_START or HAS_WINDOW:  # key tiles before the floor: skipped
+        start = tl.maximum(start, tl.maximum(floor, 0) // BLOCK_K * BLOCK_K)
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     ell = tl.full([BLOCK_Q], 0.0, tl.float32)
     acc = tl.full([BLOCK_Q, PADDED_DIM], 0.0, tl.float32)
@@ -86,7 +113,11 @@ def _paged_kernel(
     for first in range(start, stop, BLOCK_K):
         cols = first + tl.arange(0, BLOCK_K)  # key positions
         visible = cols < stop
+        # the table is read up to the length (its entries there are checked
+        # pool blocks): masking this load by the floor too made ptxas spill
         block = tl.load(table + (cols // BLOCK_SIZE) * stride_tj, visible, 0)
+        if HAS_KEY_START or HAS_WINDOW:  # hidden from every row: not loaded
+            visible = visible & (cols >= floor)
         slot = cols % BLOCK_SIZE
         exists = visible[:, None] & (dims[None, :] < HEAD_DIM)
         k_tile = (KPool + block[:, None] * stride_kn
@@ -99,6 +130,8 @@ def _paged_kernel(
         v = tl.load(v_tile, exists, 0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         keep = visible[None, :] & (cols[None, :] <= position[:, None])
+        if HAS_WINDOW:  # each row's own window: p - j < window
+            keep = keep & (position[:, None] - cols[None, :] < window)
         scores = tl.where(keep, scores, float("-inf"))  # (B_q, B_k)
         m_new = tl.maximum(m, tl.reduce(scores, 1, _maximum))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -118,10 +151,12 @@ def _paged_kernel(
 
 def paged_launch(
     q, k_pool, v_pool, block_table, seq_lens, partial, partial_lse, *,
-    scale, tiles, keys_per_split,
+    scale, tiles, keys_per_split, key_start=None, window=None,
 ):  # fmt: skip
     """The paged kernel's launch: one program per (split, row tile, b,
-    kv); ``partial`` is (B, H_kv, splits, G * T_q, d) float32."""
+    kv); ``partial`` is (B, H_kv, splits, G * T_q, d) float32;
+    ``key_start`` (B,) int32 or None (no padding); ``window`` a positive
+    int or None (no sliding window)."""
     (batch, heads, t_q, d), (block_size, kv_heads) = q.shape, k_pool.shape[1:3]
     group, splits = heads // kv_heads, partial.shape[2]
     grid = (splits, triton.cdiv(group * t_q, tiles.block_q), batch * kv_heads)
@@ -140,6 +175,10 @@ def paged_launch(
         "num_warps": tiles.num_warps,
         "num_stages": tiles.num_stages,
     }
+    if key_start is not None:
+        constants.update(KeyStart=key_start, HAS_KEY_START=True)
+    if window is not None:
+        constants.update(window=window, HAS_WINDOW=True)
     return Launch(_paged_kernel, grid, args, constants)
 
 
@@ -152,10 +191,17 @@ def paged_forward(
     *,
     scale: float | None = None,
     num_splits: int | None = None,
+    key_start: Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The paged kernel and the merge of its splits: ``(out, logsumexp)``,
-    (B, H, T_q, d) in q's dtype and (B, H, T_q) float32."""
-    scale = check_paged_inputs(q, k_pool, v_pool, block_table, seq_lens, scale)
+    (B, H, T_q, d) in q's dtype and (B, H, T_q) float32; a query that sees
+    no key gets zeros and a logsumexp of -inf. ``key_start`` and
+    ``window``: as in :func:`triton_paged_attention`."""
+    scale = check_paged_inputs(
+        q, k_pool, v_pool, block_table, seq_lens, scale,
+        key_start=key_start, window=window,
+    )  # fmt: skip
     _check_backend(q)
     (batch, heads, t_q, d), kv_heads = q.shape, k_pool.shape[2]
     group = heads // kv_heads
@@ -181,10 +227,13 @@ def paged_forward(
         partial.shape[:-1], dtype=torch.float32, device=q.device
     )
     table, lens = block_table.to(torch.int32), seq_lens.to(torch.int32)
+    if key_start is not None:
+        key_start = key_start.to(torch.int32).contiguous()
     with torch.no_grad():
         paged_launch(
             q, k_pool, v_pool, table, lens, partial, partial_lse,
             scale=scale, tiles=tiles, keys_per_split=keys_per_split,
+            key_start=key_start, window=window,
         )()  # fmt: skip
         out, logsumexp = merge_partials(partial, partial_lse)
     # (B, H_kv, G * T_q, d) -> (B, H, T_q, d): head kv * G + g
@@ -200,16 +249,20 @@ def triton_paged_attention(
     seq_lens: Tensor,
     *,
     scale: float | None = None,
+    key_start: Tensor | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Attention of each sequence's last T_q queries over its paged keys.
 
     The arguments and the result of
-    :func:`mha.kernels.paged_torch.paged_attention_torch`; the blocks are
-    read where they are in the pools. Forward only (no gradient).
+    :func:`mha.kernels.paged_torch.paged_attention_torch`, ``key_start``
+    (left padding) and ``window`` (a sliding window) included; the blocks
+    are read where they are in the pools. Forward only (no gradient).
     """
     out, _ = paged_forward(
-        q, k_pool, v_pool, block_table, seq_lens, scale=scale
-    )
+        q, k_pool, v_pool, block_table, seq_lens, scale=scale,
+        key_start=key_start, window=window,
+    )  # fmt: skip
     return out
 
 

@@ -9,6 +9,15 @@ sequence b. ``seq_lens[b]`` positions of sequence b are valid; its queries
 ``seq_lens[b] - T_q + i`` and sees keys 0 .. that position (causal, aligned
 bottom-right to each sequence's own length).
 
+Two optional masks narrow what a query sees. ``key_start`` (B,) hides the
+first ``key_start[b]`` positions of sequence b (a left-padded batch: they
+are pads), so query i sees keys ``key_start[b]`` .. its position.
+``window`` (a positive int) keeps a query's ``window`` newest keys, itself
+included: the query at position p sees keys j with ``p - j < window``
+(Mistral's sliding window, as in :class:`mha.backends.Masking`). With both,
+a query sees keys ``max(key_start[b], p - window + 1)`` .. p. A query that
+sees no key (one that stands on a pad) gets zeros.
+
 :func:`paged_attention_torch` gathers each sequence's keys and values out
 of the pool (zeros past its length, whatever the pool holds there) and
 takes a masked softmax: plain torch, importable without
@@ -24,7 +33,7 @@ import math
 import torch
 from torch import Tensor
 
-from .._validate import check_same, check_scale, check_tensor
+from .._validate import check_int, check_same, check_scale, check_tensor
 
 __all__ = ["paged_attention_torch", "check_paged_inputs"]
 
@@ -37,6 +46,8 @@ def paged_attention_torch(
     seq_lens: Tensor,
     *,
     scale: float | None = None,
+    key_start: Tensor | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Attention of each sequence's last T_q queries over its paged keys.
 
@@ -49,11 +60,19 @@ def paged_attention_torch(
             block_size: the valid positions of each sequence, the T_q
             queries included.
         scale: default ``1 / sqrt(d)``.
+        key_start: (B,) integers on q's device, 0 <= key_start[b] <=
+            seq_lens[b], or None: sequence b's positions 0 ..
+            key_start[b] - 1 are padding, hidden from its queries.
+        window: a positive int, or None: the query at position p sees only
+            keys j with ``p - j < window`` (its ``window`` newest keys).
 
     Returns:
-        (B, H, T_q, d) in q's dtype.
+        (B, H, T_q, d) in q's dtype; zeros for a query that sees no key.
     """
-    scale = check_paged_inputs(q, k_pool, v_pool, block_table, seq_lens, scale)
+    scale = check_paged_inputs(
+        q, k_pool, v_pool, block_table, seq_lens, scale,
+        key_start=key_start, window=window,
+    )  # fmt: skip
     (_, heads, t_q, _), (block_size, kv_heads) = q.shape, k_pool.shape[1:3]
     length = int(seq_lens.max())
     positions = torch.arange(length, device=q.device)  # (L,)
@@ -76,6 +95,10 @@ def paged_attention_torch(
         lens - t_q + torch.arange(t_q, device=q.device)[:, None]
     )  # (B,1,T_q,1)
     keep = (positions <= own) & (positions < lens)  # (B, 1, T_q, L)
+    if key_start is not None:  # left padding: pads hidden
+        keep = keep & (positions >= key_start.long()[:, None, None, None])
+    if window is not None:  # the window newest keys, the query's own included
+        keep = keep & (own - positions < window)
     scores = scores.masked_fill(~keep, -math.inf)
     top = scores.amax(dim=-1, keepdim=True)
     top = top.masked_fill(top == -math.inf, 0.0)  # a query that sees no key
@@ -85,12 +108,17 @@ def paged_attention_torch(
     return out.to(q.dtype)
 
 
-def check_paged_inputs(q, k_pool, v_pool, block_table, seq_lens, scale):
+def check_paged_inputs(
+    q, k_pool, v_pool, block_table, seq_lens, scale, *, key_start=None,
+    window=None,
+):  # fmt: skip
     """The paged kernels' requirements, each with a clear error; the scale.
 
-    Reads ``seq_lens`` and the used entries of ``block_table`` on the host,
-    to refuse a length or a block the pool does not hold (on a GPU, a
-    wrong index would read memory that is not the cache's).
+    Reads ``seq_lens``, ``key_start`` and the used entries of
+    ``block_table`` on the host, to refuse a length or a block the pool
+    does not hold (on a GPU, a wrong index would read memory that is not
+    the cache's) and a key start past its sequence's length. ``window``
+    must be a positive int (``bool`` is not one) or None.
     """
     check_tensor("q", q, ndim=4, shape="(B, H, T_q, d)")
     pools = "(num_blocks, block_size, H_kv, d)"
@@ -114,7 +142,14 @@ def check_paged_inputs(q, k_pool, v_pool, block_table, seq_lens, scale):
     check_tensor("block_table", block_table, kind="integer", ndim=2,
                  shape=table_shape)  # fmt: skip
     check_tensor("seq_lens", seq_lens, kind="integer", ndim=1, shape="(B,)")
-    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+    given = [("block_table", block_table), ("seq_lens", seq_lens)]
+    if key_start is not None:
+        check_tensor("key_start", key_start, kind="integer", ndim=1,
+                     shape=f"(B,) = ({batch},)")  # fmt: skip
+        given.append(("key_start", key_start))
+    if window is not None:
+        check_int("window", window)
+    for name, t in given:
         if t.shape[0] != batch:
             raise ValueError(
                 f"{name} must have B = {batch} rows (q's), got shape "
@@ -132,6 +167,14 @@ def check_paged_inputs(q, k_pool, v_pool, block_table, seq_lens, scale):
             f"queries) and max_blocks * block_size = {capacity}, got "
             f"{lens.tolist()}"
         )
+    if key_start is not None:
+        starts = key_start.cpu()
+        if (starts < 0).any() or (starts > lens).any():
+            raise ValueError(
+                "key_start must lie between 0 and seq_lens (a sequence's "
+                f"pads precede its keys), got {starts.tolist()} with "
+                f"seq_lens {lens.tolist()}"
+            )
     reached = -(-lens[:, None] // block_size)  # (B, 1): blocks in use
     used = torch.arange(block_table.shape[1])[None, :] < reached
     blocks = block_table.cpu()[used]  # the entries the lengths reach
