@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._validate import check_choice, check_float, check_int
+from ._validate import check_choice, check_float, check_int, check_tensor
 from .backends import Masking, attend, get_backend
 from .caches import Cache, KVCache, PagedKVCache, cached_so_far
 from .configs import ModelConfig, read_config
@@ -239,6 +239,7 @@ class CausalLM(nn.Module):
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         caches: list[Cache] | None = None,
+        logits_to_keep: int | Tensor = 0,
     ) -> Tensor:
         """Logits (B, T, V) of ``input_ids`` (B, T), after the caches'.
 
@@ -246,7 +247,10 @@ class CausalLM(nn.Module):
         cached and new positions (or every slot of the caches), as
         transformers takes it; ``position_ids`` (1 or B, T), by default the
         next T positions of the caches; ``caches``: one per layer
-        (:meth:`new_caches`), written in place.
+        (:meth:`new_caches`), written in place. ``logits_to_keep``, as
+        transformers': an int n > 0 keeps the last n positions' logits, a
+        1-D tensor of indices those positions (0: all); the output head
+        then runs on those only.
         """
         start = self._check_forward(input_ids, attention_mask, caches)
         T = input_ids.shape[1]
@@ -267,7 +271,13 @@ class CausalLM(nn.Module):
                 start=start,
                 padding=padding,
             )
-        return self.lm_head(self.model.norm(x))  # (B, T, V)
+        if isinstance(logits_to_keep, Tensor):  # positions' indices
+            check_tensor("logits_to_keep", logits_to_keep, kind="integer",
+                         ndim=1, shape="(n,)")  # fmt: skip
+        else:  # the last n; 0: slice(0, None), every position
+            n = check_int("logits_to_keep", logits_to_keep, minimum=0)
+            logits_to_keep = slice(-n, None)
+        return self.lm_head(self.model.norm(x[:, logits_to_keep]))
 
     def new_caches(
         self, batch: int, max_len: int, *, kind: str = "static"
@@ -323,7 +333,7 @@ class CausalLM(nn.Module):
         done = torch.zeros(B, dtype=torch.bool, device=device)
         tokens, new = input_ids, input_ids
         for step in range(max_new_tokens):
-            logits = self(new, mask[:, : T + step], positions, caches)
+            logits = self(new, mask[:, : T + step], positions, caches, 1)
             scores = logits[:, -1].float()  # (B, V)
             if sampling:
                 chosen = sample(scores, temperature, top_k, top_p, generator)

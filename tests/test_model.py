@@ -320,6 +320,25 @@ def test_model_input_errors_name_the_argument() -> None:
         model.generate(ids, 2, attention_mask=mask.flip(1))
     with pytest.raises(ValueError, match="top_p must lie in"):
         model.generate(ids, 2, do_sample=True, top_p=0.0)
+    with pytest.raises(ValueError, match="logits_to_keep must be an int >= 0, got -1"):
+        model(ids, logits_to_keep=-1)
+    with pytest.raises(TypeError, match="logits_to_keep must be an int, got float"):
+        model(ids, logits_to_keep=1.0)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(ids, logits_to_keep=torch.tensor([[1]]))
+
+
+@pytest.mark.parametrize("keep", [0, 1, 5, [0, 3, 11]])
+def test_logits_to_keep_equals_transformers(keep) -> None:
+    # transformers' own argument: an int keeps the last n positions (0: all), indices those
+    # positions; the output head runs on them only, so the shape is (B, n, V).
+    ids, _, _ = inputs()
+    keep = torch.tensor(keep) if isinstance(keep, list) else keep
+    with torch.no_grad():
+        expected = transformers_models()["float32"](ids, logits_to_keep=keep).logits
+        actual = ours("sdpa", "float32")(ids, logits_to_keep=keep)
+    assert actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------

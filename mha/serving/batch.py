@@ -27,7 +27,7 @@ class StepPlan:
     """A step's N tokens, where they go and what each attends to.
 
     ``ids``, ``positions`` (1, N): the tokens and their positions, decode
-    tokens first; ``last``: the index of each request's last token;
+    tokens first; ``last`` (R,): the index of each request's last token;
     ``decodes``: how many are decode tokens; ``blocks``, ``offsets``
     (N,): the pool slot of each token's keys and values; ``groups``:
     (first, end, block_table (B, max_blocks) int32, seq_lens (B,) int32)
@@ -39,7 +39,7 @@ class StepPlan:
 
     ids: Tensor
     positions: Tensor
-    last: list[int]
+    last: Tensor
     decodes: int
     blocks: Tensor
     offsets: Tensor
@@ -68,7 +68,7 @@ class StepPlan:
             groups.insert(0, (0, decodes, seqs, [len(s) for s in seqs]))
         tensor = partial(torch.tensor, device=device)
         return cls(
-            tensor([ids]), tensor([positions]), last, decodes,
+            tensor([ids]), tensor([positions]), tensor(last), decodes,
             *tensor(slots).T,  # blocks (N,), offsets (N,)
             [(first, end, _table(seqs, tensor),
               tensor(lens, dtype=torch.int32))

@@ -112,8 +112,9 @@ class Engine:
         for layer in self.layers:
             layer.plan = plan
         logits = self.model(plan.ids, position_ids=plan.positions,
-                            caches=self.layers)  # fmt: skip
-        self._sample(batch, logits[0, plan.last].float())  # (requests, V)
+                            caches=self.layers,
+                            logits_to_keep=plan.last)  # fmt: skip
+        self._sample(batch, logits[0].float())  # (requests, V)
         done = self.scheduler.finish(batch)
         self._count(plan.decodes, plan.ids.shape[1])
         return [seq.id for seq in done]
