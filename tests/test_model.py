@@ -1,17 +1,17 @@
 """mha.CausalLM against transformers' model with the same weights: the parity matrix.
 
 transformers' model is built here from a small configuration with random weights (nothing from a
-hub) and its state_dict loaded into ours, strictly, both ways. The matrix: every backend x
-{prompt, cached decode, chunk after a cache, left-padded batch, paged cache, left-padded batch
-in a paged cache, compiled decode step} x {float32, bfloat16} (on triton, the paged kernel reads
-the paged cache in place, the window and the left padding as its own masks). The reference is transformers' model run on the whole sequence at
-once: what a cache, a chunk or a page changes must change nothing. float32: logits within 1e-4.
-bfloat16 (flash-attention's rule): no further from a float64 run of transformers' model than
-twice transformers' own bfloat16 run. A backend that does not serve a cell must refuse it with a
-ValueError that names why (the Triton interpreter computes no bfloat16; only eager and sdpa take
-a compiled step's whole-cache mask), never compute something else. The configuration is
-Mistral's family with a sliding window of 6 (shorter than the sequence, so it matters at every
-step) and grouped heads (4 query heads, 2 key/value heads).
+hub) and its state_dict loaded into ours, strictly, both ways. The matrix: every backend x {prompt,
+cached decode, chunk after a cache, left-padded batch, paged cache, left-padded batch in a paged
+cache, compiled decode step} x {float32, bfloat16} (on triton, the paged kernel reads the paged
+cache in place, the window and the left padding as its own masks). The reference is transformers'
+model run on the whole sequence at once: what a cache, a chunk or a page changes must change
+nothing. float32: logits within 1e-4. bfloat16 (flash-attention's rule): no further from a float64
+run of transformers' model than twice transformers' own bfloat16 run. A backend that does not serve
+a cell must refuse it with a ValueError that names why (the Triton interpreter computes no
+bfloat16; only eager and sdpa take a compiled step's whole-cache mask), never compute something
+else. The configuration is Mistral's family with a sliding window of 6 (shorter than the sequence,
+so it matters at every step) and grouped heads (4 query heads, 2 key/value heads).
 """
 
 from __future__ import annotations
