@@ -43,7 +43,9 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def test_help_lists_the_options() -> None:
     completed = _run("--help", timeout=120)
     assert completed.returncode == 0, completed.stderr
-    for option in ("--inspect", "--arch", "--mask", "--key-start", "--cubin-dir", "--output"):
+    for option in (
+        "--inspect", "--arch", "--mask", "--key-start", "--window", "--cubin-dir", "--output"
+    ):  # fmt: skip
         assert option in completed.stdout
 
 
@@ -56,6 +58,8 @@ def test_bad_arguments_are_refused_with_a_reason() -> None:
     assert completed.returncode == 2 and "between 1 and 256" in completed.stderr
     completed = _run("--inspect", "--mask", "sliding", timeout=120)
     assert completed.returncode == 2 and "mask must be among causal, full" in completed.stderr
+    completed = _run("--inspect", "--window", "--kernel", "forward", timeout=120)
+    assert completed.returncode == 2 and "only the paged kernel takes a window" in completed.stderr
 
 
 def test_forward_kernel_compiles_for_a100_and_h100(tmp_path: Path) -> None:
@@ -218,3 +222,42 @@ def test_committed_inspection_with_key_starts_has_no_spills() -> None:
             "python -m mha.kernels --inspect --key-start --kernel paged"
         )
         assert result["paged_builds"]["environment"]["git_commit"]
+
+
+def test_committed_inspection_with_a_window_has_no_spills() -> None:
+    # The paged kernel with a sliding window (python -m mha.kernels --inspect --window), without
+    # key starts (the serving engine's launch) and with them (a left-padded batch, as the
+    # model's Mistral path has): 2 GPUs x 3 dtypes x 6 head sizes each; the kernels that take no
+    # window are left out. None may spill.
+    files = sorted((ROOT / "benchmarks").glob("kernels_window_2*.json"))
+    assert files, "no committed results of python -m mha.kernels --inspect --window"
+    result = json.loads(files[-1].read_text())
+    rows = result["builds"]
+    assert {row["kernel"] for row in rows} == {"paged"}
+    assert all(row["window"] and row["causal"] for row in rows)
+    builds = {(r["arch"], r["dtype"], r["head_dim"], r["key_start"]) for r in rows}
+    assert len(builds) == len(rows) == 2 * 3 * 6 * 2
+    assert sum(row["key_start"] for row in rows) == 2 * 3 * 6  # and 36 with the window alone
+    for row in rows:
+        assert row["spill_bytes"] == 0 and row["stack_bytes"] == 0, row
+        assert row["shared_bytes"] <= LIMITS[row["arch"]], row
+    assert result["command"].startswith("python -m mha.kernels --inspect --window")
+    assert result["environment"]["git_commit"] and not result["environment"]["git_dirty"]
+
+
+def test_the_window_builds_pass_the_window() -> None:
+    # No compiling: the launch's constexprs say what would be compiled in.
+    import torch
+    from mha.kernels.aot import EXAMPLE_WINDOW, example_launches
+
+    for key_start in (False, True):
+        (launch,) = example_launches(
+            "paged", torch.float16, 64, 90, key_start=key_start, window=True
+        )
+        assert launch.constants["HAS_WINDOW"] is True
+        assert launch.constants["window"] == EXAMPLE_WINDOW
+        assert launch.constants.get("HAS_KEY_START", False) is key_start
+    (launch,) = example_launches("paged", torch.float16, 64, 90, key_start=True)
+    assert "HAS_WINDOW" not in launch.constants and "window" not in launch.constants
+    with pytest.raises(ValueError, match="only the paged kernel"):
+        example_launches("forward", torch.float16, 64, 90, window=True)

@@ -5,8 +5,8 @@ For each kernel (forward, the two backward kernels, split-KV, paged), GPU
 128, 192, 256 by default) and mask (causal and full), the kernel is compiled
 at its default launch settings (the paged kernel: causal only, by its
 lengths), without a GPU, and one JSON line is printed:
-kernel, arch, dtype, head_dim, causal, key_start, block_q, block_k, num_warps,
-num_stages, registers, stack_bytes, spill_bytes, shared_bytes,
+kernel, arch, dtype, head_dim, causal, key_start, window, block_q, block_k,
+num_warps, num_stages, registers, stack_bytes, spill_bytes, shared_bytes,
 tensor_core_instructions (``hmma`` + ``hgmma``), hmma, hgmma, hgmma_a_regs,
 hgmma_a_smem (the ``HGMMA`` whose A operand is in registers, or in shared
 memory) and cubin (the file written to ``--cubin-dir``, or null).
@@ -127,6 +127,14 @@ def parser() -> argparse.ArgumentParser:
         "batch)",
     )
     p.add_argument(
+        "--window",
+        action="store_true",
+        help="compile the kernels that take a sliding window (the paged "
+        "kernel) with one, of 4096 keys (a runtime int: its value is not "
+        "compiled in), each without and with per-row key starts, or with "
+        "them only where --key-start is given; the others are left out",
+    )
+    p.add_argument(
         "--cubin-dir",
         type=Path,
         help="write each build's cubin (GPU machine code) to this folder",
@@ -200,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if not args.inspect:
         parser().error("nothing to do: pass --inspect")
+    if args.window and "paged" not in args.kernel:
+        parser().error("--window: only the paged kernel takes a window")
     if not TRITON_AVAILABLE:
         print("--inspect needs the triton package (Linux)", file=sys.stderr)
         return 1
@@ -216,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in inspect_builds(
         args.arch, args.dtype, args.head_dim, args.kernel, args.cubin_dir,
         causal=tuple(mask == "causal" for mask in args.mask),
-        key_start=args.key_start,
+        key_start=args.key_start, window=args.window,
     ):  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)

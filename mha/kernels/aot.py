@@ -72,6 +72,15 @@ DTYPES = {
 # sequence for the split-KV kernel.
 EXAMPLE = {"batch": 4, "heads": 32, "kv_heads": 8, "t": 4096}
 
+# The sliding window of the window builds (Mistral 7B's). The window is a
+# runtime int: its value is not compiled in (4095 or 256 give the same cubin
+# as 4096), but for 1, which Triton makes a constant as it does any integer
+# argument equal to 1.
+EXAMPLE_WINDOW = 4096
+
+#: The kernels that take a sliding window (``--window`` compiles these only).
+WINDOWED = ("paged",)
+
 # One SASS instruction each: the destination registers come first, then A.
 HMMA = re.compile(r"\bHMMA\.")
 HGMMA = re.compile(r"\bHGMMA\.\S+\s+R\d+,\s+(R\d+|gdesc\[)")
@@ -84,18 +93,24 @@ def example_launches(
     capability: int,
     causal: bool = True,
     key_start: bool = False,
+    window: bool = False,
 ) -> list:
     """The launch(es) of ``kernel`` that :mod:`mha.kernels.attention` makes,
     with its default tiles for the target, on meta tensors; ``key_start``:
-    with per-row key starts (a left-padded batch)."""
+    with per-row key starts (a left-padded batch); ``window``: with a
+    sliding window of ``EXAMPLE_WINDOW`` keys (the paged kernel only)."""
     batch, heads, kv_heads, t = EXAMPLE.values()
     major = (capability // 10, capability % 10)
+    if window and kernel not in WINDOWED:
+        raise ValueError(
+            f"only the paged kernel takes a sliding window, not {kernel!r}"
+        )
 
     def tensor(h, length, d=head_dim, kind=dtype):
         return torch.empty((batch, h, length, d), dtype=kind, device="meta")
 
     if kernel == "paged":
-        return [_paged_launch(dtype, head_dim, major, key_start)]
+        return [_paged_launch(dtype, head_dim, major, key_start, window)]
     t_q = 1 if kernel == "split_kv" else t
     q, k, v = tensor(heads, t_q), tensor(kv_heads, t), tensor(kv_heads, t)
     lse = torch.empty((batch, heads, t_q), device="meta")
@@ -137,10 +152,12 @@ def _paged_launch(
     head_dim: int,
     major: tuple[int, int],
     key_start: bool = False,
+    window: bool = False,
 ):
     """A decoding step of the paged kernel: the example's sequences held in
     blocks of 16 positions of one pool; ``key_start``: with per-row key
-    starts (a left-padded batch)."""
+    starts (a left-padded batch); ``window``: with a sliding window of
+    ``EXAMPLE_WINDOW`` keys."""
     from .paged import paged_launch
 
     batch, heads, kv_heads, t = EXAMPLE.values()
@@ -169,6 +186,7 @@ def _paged_launch(
         q, pool, pool, table, lens, partial, partial[..., 0],
         scale=head_dim**-0.5, tiles=tiles, keys_per_split=keys,
         key_start=starts if key_start else None,
+        window=EXAMPLE_WINDOW if window else None,
     )  # fmt: skip
 
 
@@ -274,15 +292,23 @@ def inspect_builds(
     cubin_dir: Path | None = None,
     causal=(True, False),
     key_start: bool = False,
+    window: bool = False,
 ) -> Iterator[dict]:
     """Compile each (kernel, arch, dtype, head_dim, causal) and yield its
     row; ``key_start``: the kernels with per-row key starts (left padding).
-    The paged kernel is causal by its lengths: causal builds only."""
+    The paged kernel is causal by its lengths: causal builds only.
+    ``window``: only the kernels that take a sliding window (``WINDOWED``),
+    with one, each build without and then with key starts (the serving
+    engine's launch and a left-padded batch's), or with them only where
+    ``key_start``."""
     if INTERPRETED is not False:
         raise RuntimeError(
             "the kernels were decorated for Triton's interpreter: inspect in "
             "a process started with TRITON_INTERPRET=0"
         )
+    if window:
+        kernel_names = [name for name in kernel_names if name in WINDOWED]
+    starts = (False, True) if window and not key_start else (key_start,)
     for arch in archs:
         for dtype in dtypes:
             for head_dim in head_dims:
@@ -290,18 +316,19 @@ def inspect_builds(
                     # the paged kernel is causal by its lengths: no flag
                     masks = (True,) if name == "paged" else causal
                     for masked in masks:
-                        yield _inspect_one(
-                            name, arch, dtype, head_dim, masked, key_start,
-                            cubin_dir,
-                        )  # fmt: skip
+                        for padded in starts:
+                            yield _inspect_one(
+                                name, arch, dtype, head_dim, masked, padded,
+                                window, cubin_dir,
+                            )  # fmt: skip
 
 
 def _inspect_one(
-    name, arch, dtype, head_dim, causal, key_start, cubin_dir
+    name, arch, dtype, head_dim, causal, key_start, window, cubin_dir
 ) -> dict:
     capability = ARCHS[arch]
     (launch,) = example_launches(
-        name, DTYPES[dtype], head_dim, capability, causal, key_start
+        name, DTYPES[dtype], head_dim, capability, causal, key_start, window
     )
     compiled = compile_launch(launch, capability)
     row = {
@@ -311,6 +338,7 @@ def _inspect_one(
         "head_dim": head_dim,
         "causal": bool(causal),
         "key_start": bool(key_start),
+        "window": bool(window),
         "block_q": launch.constants["BLOCK_Q"],
         "block_k": launch.constants["BLOCK_K"],
         "num_warps": launch.constants["num_warps"],
@@ -319,8 +347,10 @@ def _inspect_one(
         "cubin": None,
     }
     if cubin_dir is not None:
-        mask = ("causal" if causal else "full") + (
-            "_key_start" if key_start else ""
+        mask = (
+            ("causal" if causal else "full")
+            + ("_key_start" if key_start else "")
+            + ("_window" if window else "")
         )
         path = (
             Path(cubin_dir) / f"{name}_{arch}_{dtype}_d{head_dim}_{mask}.cubin"
