@@ -93,6 +93,7 @@ __all__ = [
     "split_kv_forward",
     "merge_partials",
     "finish_rows",
+    "check_runs_here",
     "multiprocessors",
     "TritonAttention",
     "triton_attention",
@@ -760,6 +761,23 @@ def _check_sinks(sinks: object, q: Tensor) -> Tensor:
     return sinks
 
 
+def check_runs_here(q: Tensor) -> None:
+    """Where the kernels run: bfloat16 only compiled on a GPU (the
+    interpreter's bfloat16 ``tl.dot`` is wrong), and compiled kernels only
+    on CUDA tensors. Shared by every kernel's checks."""
+    if INTERPRETED and q.dtype == torch.bfloat16:
+        raise ValueError(
+            "bfloat16 runs on a GPU only: tl.dot in bfloat16 is wrong in "
+            "Triton's interpreter (TRITON_INTERPRET=1)"
+        )
+    if not INTERPRETED and q.device.type != "cuda":
+        raise ValueError(
+            f"the compiled kernels need CUDA tensors, got {q.device}; set "
+            "TRITON_INTERPRET=1 before importing mha.kernels to run them "
+            "on the CPU"
+        )
+
+
 def _check_inputs(q, k, v, scale, block_q, block_k) -> float:
     """The kernels' requirements, each with a clear error; returns scale."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -794,17 +812,7 @@ def _check_inputs(q, k, v, scale, block_q, block_k) -> float:
             "q and k must hold at least one position each, got shapes "
             f"{tuple(q.shape)} and {tuple(k.shape)}"
         )
-    if INTERPRETED and q.dtype == torch.bfloat16:
-        raise ValueError(
-            "bfloat16 runs on a GPU only: tl.dot in bfloat16 is wrong in "
-            "Triton's interpreter (TRITON_INTERPRET=1)"
-        )
-    if not INTERPRETED and q.device.type != "cuda":
-        raise ValueError(
-            f"the compiled kernels need CUDA tensors, got {q.device}; set "
-            "TRITON_INTERPRET=1 before importing mha.kernels to run them "
-            "on the CPU"
-        )
+    check_runs_here(q)
     for name, block in (("block_q", block_q), ("block_k", block_k)):
         if block is None:
             continue

@@ -42,8 +42,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import INTERPRETED
-from .attention import Launch, finish_rows, merge_partials, multiprocessors
+from . import MAX_HEAD_DIM
+from .attention import (
+    Launch,
+    check_runs_here,
+    finish_rows,
+    merge_partials,
+    multiprocessors,
+)
 from .paged_torch import check_paged_inputs
 from .tiles import (
     Tiles,
@@ -272,19 +278,9 @@ def _check_backend(q: Tensor) -> None:
             f"q, k_pool and v_pool must be float32, float16 or bfloat16, got "
             f"{q.dtype}"
         )
-    if q.shape[-1] > 256:
+    if q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(
-            f"d (the last dimension of q) must be at most 256, got "
-            f"{q.shape[-1]}"
+            f"d (the last dimension of q) must be at most {MAX_HEAD_DIM}, "
+            f"got {q.shape[-1]}"
         )
-    if INTERPRETED and q.dtype == torch.bfloat16:
-        raise ValueError(
-            "bfloat16 runs on a GPU only: tl.dot in bfloat16 is wrong in "
-            "Triton's interpreter (TRITON_INTERPRET=1)"
-        )
-    if not INTERPRETED and q.device.type != "cuda":
-        raise ValueError(
-            f"the compiled kernels need CUDA tensors, got {q.device}; set "
-            "TRITON_INTERPRET=1 before importing mha.kernels to run them "
-            "on the CPU"
-        )
+    check_runs_here(q)
