@@ -338,7 +338,7 @@ def _inspect_one(
         "head_dim": head_dim,
         "causal": bool(causal),
         "key_start": bool(key_start),
-        "window": bool(window),
+        **({"window": True} if window else {}),  # only a window build's
         "block_q": launch.constants["BLOCK_Q"],
         "block_k": launch.constants["BLOCK_K"],
         "num_warps": launch.constants["num_warps"],
