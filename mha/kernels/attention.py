@@ -331,20 +331,26 @@ def _backward_dk_dv_kernel(
             rows = start + tl.arange(0, BLOCK_Q)
             real = (rows[:, None] < t_q) & (dims[None, :] < HEAD_DIM)
             q_tile = _tile(q_offset, rows, dims, stride_t, stride_d)
-            q = tl.load(Q + q_tile, real, 0.0)  # (B_q, d_k)
-            do = tl.load(DO + q_tile, real, 0.0)
+            # q^T loaded transposed from memory, (d_k, B_q): every product
+            # below is computed in the key-major layout, so no operand of a
+            # tl.dot is a transposed tensor computed in registers (a pattern
+            # some Triton releases miscompile on Hopper, racing on shared
+            # memory); tl.trans only of tiles loaded from memory
+            real_t = (dims[:, None] < HEAD_DIM) & (rows[None, :] < t_q)
+            q_t = tl.load(Q + _tile(q_offset, dims, rows, stride_d, stride_t),
+                          real_t, 0.0)  # (d_k, B_q)  # fmt: skip
+            do = tl.load(DO + q_tile, real, 0.0)  # (B_q, d_v)
             lse = tl.load(LSE + batch_head * t_q + rows, rows < t_q, 0.0)
             delta = tl.load(Delta + batch_head * t_q + rows, rows < t_q, 0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            keep = (rows[:, None] < t_q) & visible[None, :]
+            scores_t = tl.dot(k, q_t, input_precision=PRECISION) * scale
+            keep_t = visible[:, None] & (rows[None, :] < t_q)  # (B_k, B_q)
             if CAUSAL:
-                keep = keep & (cols[None, :] <= rows[:, None] + offset)
-            p = tl.where(keep, tl.exp(scores - lse[:, None]), 0.0)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do,
-                         input_precision=PRECISION)  # fmt: skip
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])  # (B_q, B_k)
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q,
+                keep_t = keep_t & (cols[:, None] <= rows[None, :] + offset)
+            p_t = tl.where(keep_t, tl.exp(scores_t - lse[None, :]), 0.0)
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])  # (B_k, B_q)
+            dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t),
                          input_precision=PRECISION)  # fmt: skip
     dk = dk * scale
     inside = (cols[:, None] < t_k) & (dims[None, :] < HEAD_DIM)  # padding: 0
