@@ -34,3 +34,15 @@ ROPE_PARAMETERS = {
         "original_max_position_embeddings": 4096,
     },
 }
+
+
+def _kernel_device() -> str:
+    """Where the Triton kernels run: CUDA tensors when they are compiled for a GPU, CPU
+    tensors in Triton's interpreter (or where Triton is missing)."""
+    from mha import kernels
+
+    return "cuda" if kernels.TRITON_AVAILABLE and not kernels.INTERPRETED else "cpu"
+
+
+#: The device every test hands the Triton kernels (and what runs them) its tensors on.
+KERNEL_DEVICE = _kernel_device()
