@@ -121,7 +121,7 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.dtype, self.device = dtype, self.keys.device
-        self.length = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.length = _length_counter(self.device)
         self._count: tuple[int, int] | None = None  # see _host_count
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -304,7 +304,7 @@ class PagedKVCache:
             (batch, self.blocks_per_row), self.null_block,
             dtype=torch.int32, device=self.device,
         )  # (B, blocks per row)  # fmt: skip
-        self.length = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.length = _length_counter(self.device)
         self._count: tuple[int, int] | None = None  # see _host_count
         self.reset()
 
@@ -451,6 +451,15 @@ def _check_allocator(
             "allocator must have every block free (the cache's pool is its "
             f"own), got {allocator.num_blocks - allocator.num_free} in use"
         )
+
+
+def _length_counter(device: torch.device) -> Tensor:
+    """A cache's count of written positions: a 0-d int64 tensor on the
+    device, made outside inference mode even when the cache is made inside
+    it (``torch.inference_mode()``, as serving code runs), so that its
+    ``_version`` still counts in-place writes for :func:`_host_count`."""
+    with torch.inference_mode(False):
+        return torch.zeros((), dtype=torch.int64, device=device)
 
 
 def _host_count(cache: KVCache | PagedKVCache) -> int:
