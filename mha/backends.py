@@ -134,6 +134,11 @@ class Backend:
     #: window) -> out``: attention over a paged cache read where its blocks
     #: lie (:meth:`mha.PagedKVCache.pages`), or None (the blocks gathered)
     paged: Callable[..., Tensor] | None = None
+    #: True: handed a preallocated cache whole (:class:`mha.KVCache`'s
+    #: max_len keys, the unwritten ones after the queries, hidden by the
+    #: causal mask), so that a kernel compiled for one shape serves every
+    #: decoding step
+    whole_cache: bool = False
 
 
 #: name -> :class:`Backend`, in the order of registration.
@@ -146,17 +151,19 @@ def register(
     masks: tuple[str, ...],
     summary: str,
     paged: Callable[..., Tensor] | None = None,
+    whole_cache: bool = False,
 ):
     """Decorator: ``function(q, k, v, masking) -> out`` as backend ``name``,
     taking the kinds of mask ``masks`` (of :data:`MASK_KINDS`); ``paged``:
-    its kernel for a paged cache, if it has one (:class:`Backend`)."""
+    its kernel for a paged cache, if it has one; ``whole_cache``: see
+    :class:`Backend`."""
     unknown = set(masks) - set(MASK_KINDS)
     if unknown:
         raise ValueError(f"masks must be among {MASK_KINDS}, got {unknown}")
 
     def add(function):
         BACKENDS[name] = Backend(
-            name, function, frozenset(masks), summary, paged
+            name, function, frozenset(masks), summary, paged, whole_cache
         )
         return function
 
@@ -393,12 +400,20 @@ def _windows(run, q, k, v, window: int, offset: int, rows: range, key_start):
     return out[:, :, 0].unflatten(0, (B, len(rows))).transpose(1, 2)
 
 
-@register("flex", masks=MASK_KINDS[:4], summary="FlexAttention, mask_mods")
+@register(
+    "flex", masks=MASK_KINDS[:4], summary="FlexAttention, mask_mods",
+    whole_cache=True,
+)  # fmt: skip
 def flex(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     """FlexAttention under one mask_mod built from the masking, with
     chapter 15's functions (:func:`mha.variants.causal`,
     :func:`mha.variants.sliding_window`): compiled on a GPU, its unfused
-    form on the CPU (the same functions on every score)."""
+    form on the CPU (the same functions on every score).
+
+    Compiled, one kernel serves one shape: a static cache is read whole
+    (``whole_cache``), and other keys (a paged cache's, gathered) are padded
+    to a power of two, at least 128, the pads hidden, so that decoding
+    compiles once per doubling of the context, not once per token."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from . import variants
@@ -407,6 +422,19 @@ def flex(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     kinds = masking.kinds(t_q, t_k)
     offset = torch.tensor(masking.offset(t_q, t_k), device=q.device)
     parts = []
+    padded = max(128, 1 << (t_k - 1).bit_length())
+    compiled = _flex_compiled(q)
+    if compiled and masking.q_offset is None and masking.dense is None:
+        # one layout and one mask_mod whether or not a pad was needed
+        k, v = (F.pad(x, (0, 0, 0, padded - t_k)).contiguous() for x in (k, v))
+        real = torch.tensor(t_k, device=q.device)  # keys from here: pads
+        parts.append(lambda b, h, q_idx, kv_idx: kv_idx < real)
+        if masking.padding is not None:
+            masking = dataclasses.replace(
+                masking,
+                padding=F.pad(masking.padding[:, :t_k], (0, padded - t_k)),
+            )
+        t_k = padded
     if "window" in kinds:
         parts.append(variants.sliding_window(masking.window))
     elif "causal" in kinds:
@@ -438,8 +466,14 @@ def flex(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
         BLOCK_SIZE=128,
     )
     return variants.flex(
-        q, k, v, block_mask=mask, q_offset=0, compiled=q.is_cuda
+        q, k, v, block_mask=mask, q_offset=0, compiled=compiled
     )
+
+
+def _flex_compiled(q: Tensor) -> bool:
+    """The flex backend compiles FlexAttention on a GPU; on a CPU it runs
+    the unfused form (no compiler to wait for)."""
+    return q.is_cuda
 
 
 # ---------------------------------------------------------------------------

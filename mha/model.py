@@ -150,8 +150,21 @@ class Attention(GroupedQueryAttention):
                     window=self.window, q_offset=start, key_end=end,
                     padding=padding,
                 )  # fmt: skip
+            elif _reads_whole(self.backend, cache):  # one shape every step
+                k, v = cache.keys, cache.values  # (B, H_kv, max_len, d_k)
+                if padding is not None:  # the slots not written: causal hides
+                    width = cache.max_len - padding.shape[1]
+                    padding = F.pad(padding, (0, width), value=True)
+                masking = Masking(window=self.window, q_offset=start,
+                                  padding=padding)  # fmt: skip
         heads = attend(self.backend, q, k, v, masking)  # (B, H, T, d_k)
         return self.o_proj(merge_heads(heads))  # (B, T, D)
+
+
+def _reads_whole(backend: str, cache: Cache) -> bool:
+    """Whether the backend is handed a static cache whole (its every slot;
+    the unwritten ones, after the queries, hidden by the causal mask)."""
+    return get_backend(backend).whole_cache and isinstance(cache, KVCache)
 
 
 class DecoderLayer(nn.Module):

@@ -186,11 +186,13 @@ def softcap(cap: float) -> ScoreMod:
 
     Gemma 2 caps its attention scores at 50 (Gemma Team 2024).
     """
-    cap = torch.tensor(check_positive("cap", cap))
+    # a Python number, not a tensor: a tensor captured by a score_mod is a
+    # buffer of the compiled kernel, and a CPU one in a GPU kernel's
+    # backward is one Inductor fails to compile (torch 2.11)
+    cap = float(check_positive("cap", cap))
 
     def softcap_score(score, b, h, q_idx, kv_idx):
-        limit = cap.to(score.dtype)
-        return limit * torch.tanh(score / limit)
+        return cap * torch.tanh(score / cap)
 
     return softcap_score
 
