@@ -21,14 +21,14 @@ from mha import kernels, reference
 from mha.functional import attention, causal_mask, split_heads
 from torch.nn import functional as F
 
-from helpers import randn
+from helpers import KERNEL_DEVICE, randn
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
     pytest.mark.skipif(not kernels.TRITON_AVAILABLE, reason="triton is not installed"),
 ]
 
-DEVICE = "cpu" if kernels.INTERPRETED else "cuda"
+DEVICE = KERNEL_DEVICE
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 HEAD_SIZES = [32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
 

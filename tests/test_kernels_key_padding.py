@@ -17,12 +17,12 @@ from mha import kernels
 from mha.flash import flash_attention_torch
 from mha.functional import key_start_from_attention_mask
 
-from helpers import randn
+from helpers import KERNEL_DEVICE, randn
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TRITON = pytest.mark.skipif(not kernels.TRITON_AVAILABLE, reason="triton is not installed")
-DEVICE = "cpu" if not kernels.TRITON_AVAILABLE or kernels.INTERPRETED else "cuda"
+DEVICE = KERNEL_DEVICE
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.float64: 1e-12}
 
 
@@ -109,7 +109,7 @@ def test_torch_twin_equals_gathered_softmax(case) -> None:
 
 
 def _gathered_gradients(q, k, v, key_start, causal, d_out):
-    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    q, k, v = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
     out = _gathered_differentiable(q, k, v, key_start, causal)
     return torch.autograd.grad(out, (q, k, v), d_out.double())
 
@@ -233,7 +233,7 @@ def test_bad_key_start_is_refused_by_name(implementation) -> None:
         run(q, q, q, key_start=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE))
     if implementation == "torch":
         with pytest.raises(ValueError, match=r"key_start needs q of shape \(B, H, T_q, d_k\)"):
-            run(q[0], q[0], q[0], key_start=torch.zeros(2, dtype=torch.int32))
+            run(q[0], q[0], q[0], key_start=torch.zeros(2, dtype=torch.int32, device=DEVICE))
 
 
 def test_meta_device_refused_for_key_start() -> None:

@@ -16,12 +16,12 @@ import torch
 from mha import kernels
 from mha.kernels.paged_torch import paged_attention_torch
 
-from helpers import generator, randn
+from helpers import KERNEL_DEVICE, generator, randn
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TRITON = pytest.mark.skipif(not kernels.TRITON_AVAILABLE, reason="triton is not installed")
-DEVICE = "cpu" if not kernels.TRITON_AVAILABLE or kernels.INTERPRETED else "cuda"
+DEVICE = KERNEL_DEVICE
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 2e-3}
 
 
@@ -97,7 +97,8 @@ def test_torch_twin_equals_gather_and_softmax(case, block_size) -> None:
         lengths, heads, kv_heads, t_q, 24, block_size, torch.float64
     )
     out = paged_attention_torch(q, k_pool, v_pool, table, lens)
-    torch.testing.assert_close(out, _expected(q, keys, values, lengths), rtol=1e-12, atol=1e-12)
+    expected = _expected(q, keys, values, lengths)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-12, atol=1e-12)
 
 
 @TRITON

@@ -11,7 +11,9 @@ run of transformers' model than twice transformers' own bfloat16 run. A backend 
 a cell must refuse it with a ValueError that names why (the Triton interpreter computes no
 bfloat16; only eager and sdpa take a compiled step's whole-cache mask), never compute something
 else. The configuration is Mistral's family with a sliding window of 6 (shorter than the sequence,
-so it matters at every step) and grouped heads (4 query heads, 2 key/value heads).
+so it matters at every step) and grouped heads (4 query heads, 2 key/value heads). The triton
+backend's cells run on KERNEL_DEVICE (a GPU where the kernels are compiled), transformers' model
+beside ours; every other cell on the CPU.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from helpers import KERNEL_DEVICE
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SMALL = dict(
@@ -51,8 +55,18 @@ CASES = ["prompt", "decode", "chunk", "padded", "paged", "paged_padded", "compil
 BACKEND_NAMES = ["eager", "sdpa", "tiled", "triton", "flex"]
 
 
+def device_for(backend: str) -> str:
+    """Where a backend's cells run: the Triton kernels' device for triton, else the CPU."""
+    return KERNEL_DEVICE if backend in ("triton", "mha_triton") else "cpu"
+
+
+def transformers_models(device: str = "cpu") -> dict[str, torch.nn.Module]:
+    """transformers' model in float32, float64 and bfloat16, the same weights, on ``device``."""
+    return _transformers_models(device)
+
+
 @functools.cache
-def transformers_models() -> dict[str, torch.nn.Module]:
+def _transformers_models(device: str) -> dict[str, torch.nn.Module]:
     config = MistralConfig(**SMALL, sliding_window=WINDOW, eos_token_id=None, pad_token_id=0)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -64,29 +78,33 @@ def transformers_models() -> dict[str, torch.nn.Module]:
     float64.load_state_dict(model.state_dict())
     bfloat16 = MistralForCausalLM(config).eval().to(torch.bfloat16)
     bfloat16.load_state_dict(model.state_dict())
-    return {"float32": model, "float64": float64, "bfloat16": bfloat16}
+    models = {"float32": model, "float64": float64, "bfloat16": bfloat16}
+    return {name: each.to(device) for name, each in models.items()}
 
 
-def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tokens (B, T), a left-padding mask (row 0: PADS pads) and its positions."""
+def inputs(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens (B, T), a left-padding mask (row 0: PADS pads) and its positions, on ``device``."""
     ids = torch.randint(1, 128, (B, T), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(B, T, dtype=torch.int64)
     mask[0, :PADS] = 0
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    return ids, mask, positions
+    return ids.to(device), mask.to(device), positions.to(device)
 
 
 def ours(backend: str, dtype: str) -> CausalLM:
+    """Our model with transformers' weights, on the backend's device (:func:`device_for`)."""
     theirs = transformers_models()["float32"]
     model = CausalLM.from_config(theirs.config, attn_backend=backend).eval()
     model.load_state_dict(theirs.state_dict())  # strict
-    return model.to(getattr(torch, dtype))
+    return model.to(device=device_for(backend), dtype=getattr(torch, dtype))
 
 
 @torch.no_grad()
 def run_case(model: CausalLM, case: str) -> torch.Tensor:
-    """The logits (B, T, V) of the whole sequence, computed as the case says."""
-    ids, mask, positions = inputs()
+    """The logits (B, T, V) of the whole sequence, computed as the case says, on the model's
+    device."""
+    device = model.lm_head.weight.device
+    ids, mask, positions = inputs(device)
     if case == "prompt":
         return model(ids)
     if case == "chunk":  # a cache, then chunks of several tokens
@@ -111,30 +129,31 @@ def run_case(model: CausalLM, case: str) -> torch.Tensor:
     if case == "compiled":  # one graph for every step: the whole cache, the count a tensor
         step = torch.compile(model, fullgraph=True, dynamic=False)
     for t in range(7, T):
-        full = torch.ones(B, T, dtype=torch.int64)
-        steps.append(step(ids[:, t : t + 1], full, torch.tensor([[t]]), caches))
+        full = torch.ones(B, T, dtype=torch.int64, device=device)
+        steps.append(step(ids[:, t : t + 1], full, torch.tensor([[t]], device=device), caches))
     return torch.cat(steps, dim=1)
 
 
 def paged_caches(model: CausalLM) -> list[PagedKVCache]:
     """Blocks of 4 positions (the triton backend reads them in place, the others gather)."""
     attn = model.model.layers[0].self_attn
-    dtype = attn.q_proj.weight.dtype
+    weight = attn.q_proj.weight
+    sizes = (B, T, attn.num_kv_heads, attn.head_dim)
     return [
-        PagedKVCache(B, T, attn.num_kv_heads, attn.head_dim, block_size=4, dtype=dtype)
+        PagedKVCache(*sizes, block_size=4, dtype=weight.dtype, device=weight.device)
         for _ in model.model.layers
     ]
 
 
 @torch.no_grad()
-def reference(dtype: str, case: str) -> torch.Tensor:
-    """transformers' model on the whole sequence; for "padded", each row alone, without its
-    pads (transformers' float64 eager run of a padded batch gives NaN)."""
-    ids, mask, _ = inputs()
-    model = transformers_models()[dtype]
+def reference(dtype: str, case: str, device: str = "cpu") -> torch.Tensor:
+    """transformers' model on the whole sequence, on ``device``; for "padded", each row alone,
+    without its pads (transformers' float64 eager run of a padded batch gives NaN)."""
+    ids, mask, _ = inputs(device)
+    model = transformers_models(device)[dtype]
     if case not in ("padded", "paged_padded"):
         return model(ids).logits
-    logits = torch.zeros(B, T, model.config.vocab_size, dtype=model.dtype)
+    logits = torch.zeros(B, T, model.config.vocab_size, dtype=model.dtype, device=device)
     for b in range(B):  # each row alone, without its pads
         real = mask[b].bool()
         logits[b, real] = model(ids[b : b + 1, real]).logits[0]
@@ -152,19 +171,21 @@ def refusal(backend: str, dtype: str, case: str) -> str | None:
     """The words of the ValueError a backend gives for a cell it does not serve."""
     if case == "compiled" and backend not in ("eager", "sdpa"):
         return "takes no \\['offset'\\] mask"
-    if backend == "triton" and dtype == "bfloat16":
+    if backend == "triton" and dtype == "bfloat16" and KERNEL_DEVICE == "cpu":  # interpreted
         return "bfloat16 runs on a GPU only"
     return None
 
 
 def cell_error(backend: str, dtype: str, case: str) -> tuple[float, float]:
-    """(our error, the bound) of one cell."""
-    keep = compared(case)
-    actual = run_case(ours(backend, dtype), case).double()[keep]
+    """(our error, the bound) of one cell: ours and transformers' model on one device, the
+    logits compared on the CPU."""
+    keep, device = compared(case), device_for(backend)
+    actual = run_case(ours(backend, dtype), case).double().cpu()[keep]
     if dtype == "float32":
-        return (actual - reference("float32", case).double()[keep]).abs().max().item(), 1e-4
-    exact = reference("float64", case)[keep]
-    theirs = reference("bfloat16", case).double()[keep]
+        expected = reference("float32", case, device).double().cpu()[keep]
+        return (actual - expected).abs().max().item(), 1e-4
+    exact = reference("float64", case, device).cpu()[keep]
+    theirs = reference("bfloat16", case, device).double().cpu()[keep]
     return (actual - exact).abs().max().item(), 2 * (theirs - exact).abs().max().item()
 
 
@@ -201,8 +222,8 @@ def test_parity_matrix(backend: str, case: str, dtype: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_greedy_tokens_equal_transformers_over_32_steps(backend: str) -> None:
-    ids, mask, _ = inputs()
-    theirs = transformers_models()["float32"]
+    ids, mask, _ = inputs(device_for(backend))
+    theirs = transformers_models(device_for(backend))["float32"]
     with torch.no_grad():
         expected = theirs.generate(
             ids[:, :6], attention_mask=mask[:, :6], max_new_tokens=32, do_sample=False
@@ -351,11 +372,13 @@ def test_transformers_model_on_our_backends_equals_its_eager_model(name: str) ->
     from transformers import AutoModelForCausalLM
 
     assert name in register_transformers_backends()
-    eager = transformers_models()["float32"]  # Mistral's family, window 6 < T
-    theirs = AutoModelForCausalLM.from_config(eager.config, attn_implementation=name).eval()
+    device = device_for(name)
+    eager = transformers_models(device)["float32"]  # Mistral's family, window 6 < T
+    theirs = AutoModelForCausalLM.from_config(eager.config, attn_implementation=name)
+    theirs = theirs.eval().to(device)
     theirs.load_state_dict(eager.state_dict())
     assert theirs.config._attn_implementation == name
-    ids, mask, positions = inputs()
+    ids, mask, positions = inputs(device)
     keep = mask.bool()
     with torch.no_grad():
         expected = eager(ids, attention_mask=mask, position_ids=positions).logits[keep]

@@ -21,13 +21,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import LlamaConfig, MistralConfig
 
+from helpers import KERNEL_DEVICE
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB = 61
 
 
 @functools.cache
-def tiny_model(eos: int | None = None, dtype: torch.dtype = torch.float64) -> CausalLM:
+def tiny_model(
+    eos: int | None = None, dtype: torch.dtype = torch.float64, device: str = "cpu"
+) -> CausalLM:
+    """The same weights on every ``device`` (drawn on the CPU); KERNEL_DEVICE for the Triton
+    kernels."""
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -50,7 +56,7 @@ def tiny_model(eos: int | None = None, dtype: torch.dtype = torch.float64) -> Ca
                 (attn.o_proj, 4),
             ):
                 proj.weight.mul_(scale)
-    return model
+    return model.to(device)
 
 
 @functools.cache
@@ -250,7 +256,7 @@ class CopiesOutOf(TorchDispatchMode):
 def test_a_decode_step_copies_nothing_out_of_the_pool() -> None:
     # Two requests (20 and 7 prompt tokens) after a prefill step and a decode step: the third
     # step decodes their 22nd and 9th tokens. float32, 2 layers, H_kv = 2, d_k = 8.
-    model = tiny_model(eos=None, dtype=torch.float32)
+    model = tiny_model(eos=None, dtype=torch.float32, device=KERNEL_DEVICE)
     copied = {}
     for backend in ("triton", "sdpa"):
         model.set_attention_backend(backend)
@@ -275,9 +281,9 @@ def test_the_models_paged_cache_copies_nothing_on_the_triton_backend() -> None:
     # blocks of 16 per row, k and v, 2 layers, H_kv = 2, d_k = 8, float32. On triton the paged
     # kernel reads them in place (and hides row 0's pads through key_start): nothing is copied,
     # and the step's logits are the gathered path's.
-    model = tiny_model(eos=None, dtype=torch.float32)
-    ids = torch.tensor([list(range(3, 23)), list(range(30, 50))])
-    mask = torch.ones(2, 21, dtype=torch.int64)
+    model = tiny_model(eos=None, dtype=torch.float32, device=KERNEL_DEVICE)
+    ids = torch.tensor([list(range(3, 23)), list(range(30, 50))], device=KERNEL_DEVICE)
+    mask = torch.ones(2, 21, dtype=torch.int64, device=KERNEL_DEVICE)
     mask[0, :3] = 0
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     copied, logits = {}, {}
@@ -288,7 +294,8 @@ def test_the_models_paged_cache_copies_nothing_on_the_triton_backend() -> None:
             model(ids, mask[:, :20], positions[:, :20], caches)
             pools = [t for cache in caches for t in (cache.key_blocks, cache.value_blocks)]
             with CopiesOutOf(pools) as counter:
-                logits[backend] = model(torch.tensor([[5], [6]]), mask, positions[:, 20:], caches)
+                new = torch.tensor([[5], [6]], device=KERNEL_DEVICE)
+                logits[backend] = model(new, mask, positions[:, 20:], caches)
         copied[backend] = counter.bytes
     model.set_attention_backend("sdpa")
     assert copied["sdpa"] == 2 * 2 * (2 * 2 * 32 * 8 * 4)
@@ -304,13 +311,20 @@ def test_a_sliding_window_model_is_served() -> None:
                            num_key_value_heads=2, sliding_window=4,
                            max_position_embeddings=128)  # fmt: skip
     prompts = [list(range(3, 14)), list(range(20, 27)), list(range(40, 49))]
-    for backend, dtype in (("sdpa", torch.float64), ("triton", torch.float32)):
+    for backend, dtype, device in (
+        ("sdpa", torch.float64, "cpu"),
+        ("triton", torch.float32, KERNEL_DEVICE),
+    ):
         torch.manual_seed(0)
         model = CausalLM.from_config(config, dtype=dtype, attn_backend=backend).eval()
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_proj.weight.mul_(3), layer.self_attn.k_proj.weight.mul_(3)
-        want = [model.generate(torch.tensor([p]), 5)[0, len(p) :].tolist() for p in prompts]
+        model.to(device)  # the engine's pools and plans follow the model's device
+        want = [
+            model.generate(torch.tensor([p], device=device), 5)[0, len(p) :].tolist()
+            for p in prompts
+        ]
         engine = Engine(model, num_blocks=24, block_size=4, max_num_batched_tokens=8)
         ids = [engine.add_request(p, 5) for p in prompts]
         got = engine.run()
@@ -318,9 +332,12 @@ def test_a_sliding_window_model_is_served() -> None:
 
 
 def test_the_triton_paged_kernel_serves_the_engine() -> None:
-    model = tiny_model(eos=None, dtype=torch.float32)
+    model = tiny_model(eos=None, dtype=torch.float32, device=KERNEL_DEVICE)
     prompts = [list(range(3, 23)), list(range(30, 37))]
-    want = [model.generate(torch.tensor([p]), 4)[0, len(p) :].tolist() for p in prompts]
+    want = [
+        model.generate(torch.tensor([p], device=KERNEL_DEVICE), 4)[0, len(p) :].tolist()
+        for p in prompts
+    ]
     model.set_attention_backend("triton")
     try:
         engine = Engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=6)

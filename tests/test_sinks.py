@@ -15,6 +15,8 @@ import pytest
 import torch
 from mha import flash, reference
 
+from helpers import KERNEL_DEVICE
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -207,7 +209,10 @@ def test_triton_forward_and_backward_with_sinks(heads, kv_heads, t_q, t_k, d_k) 
     k = torch.randn(1, kv_heads, t_k, d_k, generator=gen).requires_grad_()
     v = torch.randn(1, kv_heads, t_k, d_k, generator=gen).requires_grad_()
     sinks = (2 * torch.randn(heads, generator=gen)).requires_grad_()
-    out = triton_attention(q, k, v, causal=True, sinks=sinks, block_q=16, block_k=16)
+    # The kernel's inputs on its device; .to() is differentiable, so the gradients reach the CPU
+    # leaves, where the dense form is computed and the results compared.
+    q_d, k_d, v_d, s_d = (t.to(KERNEL_DEVICE) for t in (q, k, v, sinks))
+    out = triton_attention(q_d, k_d, v_d, causal=True, sinks=s_d, block_q=16, block_k=16).cpu()
     expected, _ = dense_with_sinks(q, k, v, sinks, causal=True)
     torch.testing.assert_close(out, expected, rtol=0, atol=2e-6)
     d_out = torch.randn(out.shape, generator=gen)
@@ -220,8 +225,8 @@ def test_triton_forward_and_backward_with_sinks(heads, kv_heads, t_q, t_k, d_k) 
 def test_triton_refuses_bad_sinks() -> None:
     from mha.kernels import triton_attention
 
-    q = torch.zeros(1, 4, 3, 16)
+    q = torch.zeros(1, 4, 3, 16, device=KERNEL_DEVICE)
     with pytest.raises(ValueError, match=r"sinks must have shape \(H,\) = \(4,\)"):
-        triton_attention(q, q, q, sinks=torch.zeros(2))
+        triton_attention(q, q, q, sinks=torch.zeros(2, device=KERNEL_DEVICE))
     with pytest.raises(TypeError, match="sinks must be a torch.Tensor"):
         triton_attention(q, q, q, sinks=[0.0] * 4)
