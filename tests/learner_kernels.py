@@ -3,7 +3,8 @@
 One Triton kernel, independent of mha.kernels (exp2 with the log2(e) factor folded into the
 scale, as Triton's fused-attention tutorial does; tl.max, tl.sum, tl.zeros; its own launcher),
 and each mistake of check_flash_attention's list switched on by the constexpr MISTAKE, so that
-every mutant is a real kernel run by Triton's interpreter. Imported after mha.kernels, which
+every mutant is a real kernel run by Triton: in its interpreter where there is no GPU, compiled
+on a GPU (the launcher makes its tensors on q's device). Imported after mha.kernels, which
 chooses the interpreter where there is no GPU.
 """
 
@@ -124,13 +125,16 @@ def learner_forward_kernel(
     tl.store(Lse + bh * T_Q + rows, lse, mask=rows < T_Q)
 
 
-def learner_attention(q, k, v, causal, *, mistake="", block_q=32, block_k=32):
-    """The launcher: one program per (query tile, batch x head); returns (out, lse)."""
+def learner_attention(q, k, v, causal, *, mistake="", block_q=32, block_k=32, lse_device=None):
+    """The launcher: one program per (query tile, batch x head); returns (out, lse).
+
+    ``lse_device``: a launcher's mistake, the logsumexp made on that device, not q's (None)."""
     batch, heads, t_q, d = q.shape
     kv_heads, t_k = k.shape[1], k.shape[2]
     q, k, v = (t.contiguous() for t in (q, k, v))
     out = torch.empty_like(q)
-    lse = torch.empty((batch, heads, t_q), dtype=torch.float32, device=q.device)
+    lse_device = q.device if lse_device is None else lse_device
+    lse = torch.empty((batch, heads, t_q), dtype=torch.float32, device=lse_device)
     grid = (triton.cdiv(t_q, block_q), batch * heads)
     learner_forward_kernel[grid](
         q, k, v, out, lse,

@@ -3,6 +3,7 @@ every implementation it times computes the same thing. No timing is asserted."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -14,6 +15,8 @@ import torch
 from mha import bench, counting, reference
 from mha.functional import reference_weights
 from torch.utils.flop_counter import FlopCounterMode
+
+from helpers import KERNEL_DEVICE
 
 ENV_FIELDS = (
     "device",
@@ -465,15 +468,52 @@ def test_tiled_entries_compute_the_reference_core(causal: bool) -> None:
     config = bench.BenchConfig(batch=1, seq_len=40, heads=2, head_dim=16, causal=causal)
     layer, x = bench.make_layer(config), bench.make_input(config)
     _, core_out, _ = _expected(config, layer, x)
-    for impl in ("flash_torch", "triton_attention"):
+    # the Triton kernel gets the same seeded layer and input where it runs (CUDA where compiled)
+    on_kernels = dataclasses.replace(config, device=KERNEL_DEVICE)
+    inputs = {
+        "flash_torch": (layer, x),
+        "triton_attention": (bench.make_layer(on_kernels), bench.make_input(on_kernels)),
+    }
+    for impl, (layer_, x_) in inputs.items():
         assert bench.IMPLEMENTATIONS[impl].scope == "core"
         with torch.no_grad():
-            output = bench.build_runner(bench.IMPLEMENTATIONS, impl, layer, x, causal)()
-        np.testing.assert_allclose(output.numpy(), core_out, rtol=2e-5, atol=2e-5, err_msg=impl)
+            output = bench.build_runner(bench.IMPLEMENTATIONS, impl, layer_, x_, causal)()
+        assert output.device == x_.device, impl
+        np.testing.assert_allclose(
+            output.cpu().numpy(), core_out, rtol=2e-5, atol=2e-5, err_msg=impl
+        )
     assert "flash_torch" in bench.select(bench.IMPLEMENTATIONS, None, "cpu")
     # by name only: interpreted
     assert "triton_attention" not in bench.select(bench.IMPLEMENTATIONS, None, "cpu")
     assert "triton_attention" in bench.select(bench.IMPLEMENTATIONS, None, "cuda")
+
+
+@pytest.mark.cuda
+def test_the_layer_runs_on_the_gpu_every_entry_there() -> None:
+    # --device cuda: weights, inputs and masks on the GPU, the Triton kernel compiled; every
+    # default entry of the GPU runs (status ok), and triton_attention computes the core
+    report = bench.run_benchmark(
+        device="cuda", batch=1, heads=2, head_dim=16, seq_lens=[40], causal=True,
+        repeats=2, warmup=1, min_time=0, quiet=True,
+    )  # fmt: skip
+    assert report["environment"]["device"] == "cuda"
+    rows = {row["impl"]: row for row in report["results"]}
+    assert "triton_attention" in rows, rows
+    # a forced SDPA backend may refuse float32 (flash, cudnn): skipped, with torch's reason
+    forced = {f"sdpa_{name}" for name in bench.BACKENDS} - {"sdpa_math"}
+    for impl, row in rows.items():
+        assert row["status"] == "ok" or (impl in forced and row["reason"]), row
+
+
+@pytest.mark.cuda
+def test_the_decode_steps_run_on_the_gpu() -> None:
+    report = bench.run_decode_benchmark(
+        device="cuda", batches=[2], heads=4, head_dim=8, kv_heads=[4, 1], contexts=[9],
+        repeats=2, min_time=0, quiet=True,
+    )  # fmt: skip
+    assert report["environment"]["device"] == "cuda"
+    for row in report["results"]:
+        assert row["status"] == "ok", row
 
 
 def test_impl_lists_the_tiled_entries() -> None:

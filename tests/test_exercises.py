@@ -17,6 +17,8 @@ import torch
 from mha import exercises as ex
 from mha.exercises import failure
 
+from helpers import KERNEL_DEVICE
+
 # ---------------------------------------------------------------------------------------------
 # Right implementations, written independently of the package
 
@@ -821,6 +823,71 @@ def test_a_softmax_without_keepdims_gets_the_keepdims_hint():
         (ex.check_scaled_dot_product_attention, torch_attention, {"framework": "torch"}),
     ]:
         assert_caught(check, fn, 1, "without keepdims=True", "keepdim", **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices: torch tensors go where the Triton kernels run (chapter 13 checks a Triton softmax)
+
+
+def test_torch_inputs_are_where_the_kernels_run_unless_told():
+    from mha.exercises.checker import kernel_device
+
+    seen = []
+
+    def spy(x, axis=-1):
+        seen.append(x.device.type)
+        return torch_softmax(x, axis)
+
+    assert failure(ex.check_softmax, spy, framework="torch") is None
+    assert set(seen) == {KERNEL_DEVICE} and kernel_device() == KERNEL_DEVICE
+    seen.clear()
+    assert failure(ex.check_softmax, spy, framework="torch", device="cpu") is None
+    assert set(seen) == {"cpu"}
+
+
+def test_a_torch_function_that_changes_its_input_is_caught_on_any_device():
+    def in_place(x, axis=-1):  # right in every other way
+        return x.copy_(torch_softmax(x, axis))
+
+    assert_caught(ex.check_softmax, in_place, 8, "x itself was changed", framework="torch")
+
+
+def test_a_result_on_another_device_is_named():
+    # meta: a device no input is on, on any machine
+    def softmax_elsewhere(x, axis=-1):
+        return torch_softmax(x, axis).to("meta")
+
+    def weights_elsewhere(q, k, v, mask=None):
+        weights = torch_softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5)
+        return torch_sdpa(q, k, v, mask), weights.to("meta")
+
+    where = f"but its inputs are on {KERNEL_DEVICE}"
+    assert_caught(
+        ex.check_softmax, softmax_elsewhere, 1, "its result is a tensor on meta", where,
+        "device=x.device", framework="torch",
+    )  # fmt: skip
+    assert_caught(
+        ex.check_scaled_dot_product_attention, weights_elsewhere, 1,
+        "part 1 of its result is a tensor on meta", where, framework="torch",
+    )  # fmt: skip
+
+
+def test_an_error_of_a_tensor_on_the_wrong_device_names_the_device():
+    def cpu_output(x, axis=-1):  # a Triton kernel compiled for the GPU, handed a CPU tensor
+        raise ValueError("Pointer argument (at 1) cannot be accessed from Triton (cpu tensor?)")
+
+    assert_caught(
+        ex.check_softmax, cpu_output, 1, "(cpu tensor?)", f"Its inputs are on {KERNEL_DEVICE}",
+        "torch.empty_like(x)", framework="torch",
+    )  # fmt: skip
+
+
+def test_a_device_needs_torch_and_a_name_torch_knows():
+    with pytest.raises(ValueError, match="device='cuda' needs framework='torch'"):
+        ex.check_softmax(mha.softmax, device="cuda")
+    with pytest.raises(ValueError, match="device must be a torch device"):
+        ex.check_softmax(torch_softmax, framework="torch", device="gpu")
+    assert failure(ex.check_softmax, mha.softmax, device="cpu") is None
 
 
 # ---------------------------------------------------------------------------------------------

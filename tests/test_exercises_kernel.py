@@ -1,6 +1,7 @@
 """check_flash_attention: right kernels pass, each known mistake, written as a kernel, is named.
 
-The kernels run in Triton's interpreter (mha.kernels chooses it where there is no GPU). The right
+The kernels run in Triton's interpreter where there is no GPU (mha.kernels chooses it), compiled
+on a GPU: their tensors are on KERNEL_DEVICE, and results are compared on the CPU. The right
 kernels: the book's (mha.kernels) and tests/learner_kernels.py's (exp2, its own launcher, other
 tiles); the mistakes: that kernel with one mistake switched on, and for the backward pass a torch
 autograd.Function whose backward ignores causal, as Triton's tutorial did (issue #4541).
@@ -16,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 from mha import kernels, reference
+
+from helpers import KERNEL_DEVICE
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
@@ -49,7 +52,7 @@ def book_autograd(q, k, v, causal):
 def _numpy_reference(q, k, v, causal):
     """Float64 attention by mha.reference, k and v repeated per query head."""
     group = q.shape[1] // k.shape[1]
-    q, k, v = (t.double().numpy() for t in (q, k, v))
+    q, k, v = (t.cpu().double().numpy() for t in (q, k, v))
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     mask = None
     if causal:
@@ -60,8 +63,8 @@ def _numpy_reference(q, k, v, causal):
 def _largest_error(fn, cases) -> float:
     worst = 0.0
     for index, case in enumerate(cases):
-        q, k, v = case.inputs(index)
-        out = fn(q, k, v, case.causal)[0].double().numpy()
+        q, k, v = (t.to(KERNEL_DEVICE) for t in case.inputs(index))
+        out = fn(q, k, v, case.causal)[0].cpu().double().numpy()
         expected = _numpy_reference(q, k, v, case.causal)
         worst = max(worst, float(np.max(np.abs(out - expected) / (1 + np.abs(expected)))))
     return worst
@@ -152,7 +155,7 @@ def tf32_products(q, k, v, causal):
     scores = _tf32(q) @ _tf32(k).transpose(-1, -2) * q.shape[-1] ** -0.5
     if causal:
         t_q, t_k = q.shape[2], k.shape[2]
-        keep = torch.ones(t_q, t_k, dtype=torch.bool).tril(t_k - t_q)
+        keep = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
         scores = scores.masked_fill(~keep, -torch.inf)
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return _tf32(weights) @ _tf32(v)
@@ -184,7 +187,7 @@ class _BackwardIgnoresCausal(torch.autograd.Function):
         p = torch.exp(q @ k_all.transpose(-1, -2) * scale - lse[..., None])
         if ctx.backward_causal:
             t_q, t_k = q.shape[2], k.shape[2]
-            keep = torch.ones(t_q, t_k, dtype=torch.bool).tril(t_k - t_q)
+            keep = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
             p = p.masked_fill(~keep, 0.0)
         dv = p.transpose(-1, -2) @ d_out
         ds = p * (d_out @ v_all.transpose(-1, -2) - (d_out * out).sum(-1, keepdim=True))
@@ -228,6 +231,51 @@ def test_wrong_results_and_shapes_are_described():
     message = " ".join(message.split())
     assert "differs from attention in float64 by up to 0.499 (relative)" in message
     assert "at index (0, 1, 0, 8)" in message and "expected -0.00290205" in message
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices: the kernel gets its tensors where it runs, and a device problem is named as one
+
+
+def test_the_kernel_gets_its_tensors_where_the_kernels_run():
+    from mha.exercises.checker import kernel_device
+
+    seen = set()
+
+    def spy(q, k, v, causal):
+        seen.update(t.device.type for t in (q, k, v))
+        return learner_attention(q, k, v, causal)
+
+    assert check_flash_attention(spy, verbose=False) is None
+    assert seen == {KERNEL_DEVICE} and kernel_device() == KERNEL_DEVICE
+
+
+def test_a_result_on_another_device_is_named():
+    def on_meta(q, k, v, causal):  # a device no input is on, on any machine
+        out, lse = learner_attention(q, k, v, causal)
+        return out.to("meta"), lse
+
+    message = " ".join(failure(check_flash_attention, on_meta).split())
+    assert message.startswith("check_flash_attention: item 1 of"), message
+    assert "part 0 of its result is a tensor on meta" in message, message
+    assert f"its inputs are on {KERNEL_DEVICE}" in message, message
+
+
+@pytest.mark.skipif(
+    KERNEL_DEVICE == "cpu", reason="in the interpreter every tensor is on the CPU, where it reads"
+)
+def test_a_launcher_that_makes_a_cpu_tensor_is_told_so():
+    # a kernel compiled for the GPU refuses a CPU tensor: Triton's error, then the device named
+    fn = functools.partial(learner_attention, lse_device="cpu")
+    message = " ".join(failure(check_flash_attention, fn).split())
+    assert message.startswith("check_flash_attention: item 1 of"), message
+    assert "cpu tensor?" in message and "Its inputs are on cuda" in message, message
+    assert "device=x.device" in message, message
+
+
+def test_device_is_chosen_by_name():
+    with pytest.raises(ValueError, match="device must be a torch device"):
+        check_flash_attention(book_forward, device="gpu")
 
 
 def test_importing_the_checkers_imports_neither_torch_nor_triton():

@@ -3,6 +3,10 @@ time for sm_80 and sm_90 in a child process, beside the book's kernel.
 
 The book's row is checked against the committed `python -m mha.kernels --inspect` run (another
 route to the same build: its own launch of 4 x 4096 tokens, the same tiles and specialisation).
+
+compile_report records the launches without running them, so its example tensors may be on the
+CPU where Triton compiles for a GPU (chapter 13 hands it CPU tensors); a kernel the tests run
+gets its tensors on KERNEL_DEVICE, where the kernels run.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from mha import kernels
+
+from helpers import KERNEL_DEVICE
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
@@ -46,8 +52,8 @@ if kernels.TRITON_AVAILABLE:
             )
 
 
-def row_softmax(x):
-    y = torch.empty_like(x)
+def row_softmax(x, out=None):
+    y = torch.empty_like(x) if out is None else out
     block = triton.next_power_of_2(x.shape[1])
     row_softmax_kernel[(x.shape[0] // 2,)](x, y, x.stride(0), x.shape[1], BLOCK=block, num_warps=2)
     return y
@@ -104,7 +110,8 @@ def test_the_books_kernel_rebuilt_from_its_source_compiles_as_the_book_does():
     # its helpers come from its module (copied) and from triton.language (imported, renamed)
     from mha.kernels.attention import attention_forward
 
-    q, k, v = torch.randn(3, 1, 2, 64, 64).half()  # (B, H, T, d) each
+    # the book's launcher takes only tensors its kernels can read (CUDA ones where compiled)
+    q, k, v = torch.randn(3, 1, 2, 64, 64).half().to(KERNEL_DEVICE)  # (B, H, T, d) each
 
     def launcher(q, k, v, causal):
         return attention_forward(q, k, v, causal=causal)
@@ -116,13 +123,35 @@ def test_the_books_kernel_rebuilt_from_its_source_compiles_as_the_book_does():
 
 
 def test_a_kernel_with_helpers_and_constants_compiles():
-    x = torch.randn(6, 37)
+    x = torch.randn(6, 37, device=KERNEL_DEVICE)
     torch.testing.assert_close(row_softmax(x), torch.softmax(x, dim=-1))
     rows = kernels.compile_report(row_softmax, x, archs=("sm_90",))
     (row,) = rows  # x is not (q, k, v): no book row
     assert row["kernel"] == "row_softmax_kernel" and row["arch"] == "sm_90"
     assert row["num_warps"] == 2 and row["dtype"] == "float32" and row["head_dim"] is None
     assert row["hmma"] == row["hgmma"] == 0  # no product, no tensor core
+    # the same report from CPU tensors, on any machine: chapter 13's example tensors are on the CPU
+    assert kernels.compile_report(row_softmax, x.cpu(), archs=("sm_90",)) == rows
+
+
+def test_the_launches_are_recorded_not_run():
+    from mha.kernels.report import capture_launches
+
+    x = torch.randn(4, 8, device=KERNEL_DEVICE)
+    out = torch.zeros_like(x)
+    with capture_launches(run=False) as launches:
+        assert row_softmax(x, out) is out
+    assert [launch["name"] for launch in launches] == ["row_softmax_kernel"]
+    assert launches[0]["options"] == {"num_warps": 2}
+    assert torch.equal(out, torch.zeros_like(x))  # nothing ran: out is as it was made
+    # CPU tensors, which a kernel compiled for the GPU cannot read, are recorded alike
+    with capture_launches(run=False) as from_the_cpu:
+        row_softmax(x.cpu(), out.cpu())
+    assert from_the_cpu == launches
+    with capture_launches() as ran:  # run=True: recorded and launched, its options kept
+        row_softmax(x, out)
+    assert ran == launches
+    torch.testing.assert_close(out, torch.softmax(x, dim=-1))
 
 
 def test_bad_requests_are_refused():

@@ -23,7 +23,11 @@ wrong axis, ...), the message names that mistake and how to put it right.
   kernel and its launcher (:mod:`.kernel`, loaded when first used)
 
 Your function gets NumPy arrays, or float64 torch tensors with
-``framework="torch"``; it may return either. Masks are boolean, ``True`` =
+``framework="torch"``; it may return either. The torch tensors are on the
+device the package's Triton kernels run on (CUDA where Triton compiles for
+the GPU, the CPU in its interpreter), so that a Triton kernel of yours can
+read them; ``device="cpu"`` (or another) puts them elsewhere. A tensor you
+return must be on the device of your inputs. Masks are boolean, ``True`` =
 may attend, as everywhere in the package. :func:`failure` returns a
 checker's message instead of raising it.
 

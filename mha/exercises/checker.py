@@ -57,6 +57,7 @@ class Checker:
         fn: Callable,
         framework: str,
         error_hints: dict[str, str] | None = None,
+        device: Any = None,
     ) -> None:
         if not callable(fn):
             raise TypeError(
@@ -64,6 +65,8 @@ class Checker:
             )
         check_choice("framework", framework, ("numpy", "torch"))
         self.name, self.fn, self.framework = name, fn, framework
+        # where the torch tensors handed to fn live ("cpu" for NumPy)
+        self.device = checker_device(framework, device)
         # words of an error message -> what usually causes it
         self.error_hints = error_hints or {}
         self.items: list[tuple[str, Callable[[], None]]] = []
@@ -78,21 +81,32 @@ class Checker:
         return add
 
     def call(self, *args: Any, copy: bool = True, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` with arrays in the chosen framework.
+        """``fn(*args, **kwargs)`` with arrays in the chosen framework, torch
+        tensors on :attr:`device`.
 
         The arrays are copies unless ``copy=False``, so that a function that
-        changes its inputs cannot change what it is compared with.
+        changes its inputs cannot change what it is compared with. With
+        ``copy=False`` a change ``fn`` makes to its inputs reaches the
+        caller's arrays, on any device (from a GPU, copied back after the
+        call). A tensor ``fn`` returns must be on the device of the tensors
+        it got: :class:`Failed` says so otherwise.
         """
-        args = tuple(to_framework(a, self.framework, copy) for a in args)
-        kwargs = {
-            k: to_framework(a, self.framework, copy) for k, a in kwargs.items()
-        }
+        moved: list[tuple[Array, Any]] = []  # (array, its tensor elsewhere)
+
+        def convert(value: Any) -> Any:
+            converted = to_framework(value, self.framework, copy, self.device)
+            if not copy and converted is not value and _elsewhere(converted):
+                moved.append((value, converted))
+            return converted
+
+        args = tuple(convert(a) for a in args)
+        kwargs = {k: convert(a) for k, a in kwargs.items()}
         __tracebackhide__ = True  # IPython and pytest skip this frame
         try:
             # the checklist reports overflow and NaN; NumPy's warnings would
             # only repeat it
             with np.errstate(all="ignore"):
-                return self.fn(*args, **kwargs)
+                result = self.fn(*args, **kwargs)
         except Exception as error:  # the learner's error, reported as such
             shapes = ", ".join(describe(a) for a in args)
             hints = [
@@ -100,6 +114,16 @@ class Checker:
                 for words, hint in self.error_hints.items()
                 if words in str(error)
             ]
+            inputs = _tensor_device((*args, *kwargs.values()))
+            if inputs is not None and any(
+                words in str(error) for words in DEVICE_ERRORS
+            ):
+                hints.append(
+                    f"Its inputs are on {inputs}, and a tensor it used is "
+                    "not: make new tensors where the inputs are "
+                    "(torch.empty_like(x), or torch.empty(..., "
+                    "device=x.device))."
+                )
             raise Failed(
                 f"calling it with ({shapes}) raised "
                 f"{type(error).__name__}: {error}"
@@ -109,6 +133,12 @@ class Checker:
                 if error.__traceback__
                 else None,
             ) from None
+        for array, tensor in moved:  # in place, as from_numpy's memory is
+            array[...] = tensor.detach().cpu().numpy()
+        inputs = _tensor_device((*args, *kwargs.values()))
+        if inputs is not None:
+            _check_result_device(result, inputs)
+        return result
 
     def run(self, verbose: bool) -> None:
         """Run the items in order; the first that fails raises."""
@@ -184,10 +214,109 @@ def failure(check: Callable, fn: Callable, **kwargs: Any) -> str | None:
     return None
 
 
+# Devices: where the tensors handed to a learner's function live
+
+#: Words of the errors a tensor on the wrong device raises: Triton's, handed
+#: a CPU tensor by a kernel compiled for the GPU, and torch's.
+DEVICE_ERRORS = ("cpu tensor?", "on the same device")
+
+
+def kernel_device() -> str:
+    """Where the Triton kernels run: ``"cuda"`` where Triton compiles them
+    for the GPU, ``"cpu"`` in Triton's interpreter (the CPU tensors it
+    takes) and where Triton or a GPU is missing.
+
+    The torch checkers hand a learner's function its tensors there, so that
+    a Triton kernel it launches gets tensors it can read. Imports
+    :mod:`mha.kernels` (and so Triton) only where torch sees a GPU.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    from .. import kernels  # decides compiled or interpreted, once
+
+    compiled = kernels.TRITON_AVAILABLE and not kernels.INTERPRETED
+    return "cuda" if compiled else "cpu"
+
+
+def checker_device(framework: str, device: Any = None) -> str:
+    """The device of the tensors a checker hands a learner's function:
+    ``device``, or :func:`kernel_device` for None; always ``"cpu"`` with
+    NumPy arrays."""
+    if framework == "numpy":
+        if device is not None and str(device) != "cpu":
+            raise ValueError(
+                f"device={str(device)!r} needs framework='torch': NumPy "
+                "arrays live on the CPU"
+            )
+        return "cpu"
+    if device is None:
+        return kernel_device()
+    import torch
+
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"device must be a torch device such as 'cpu' or 'cuda', got "
+            f"{device!r}"
+        ) from None
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device {str(chosen)!r} was asked for, but torch sees no GPU "
+            "here (torch.cuda.is_available() is False)"
+        )
+    return str(chosen)
+
+
+def _elsewhere(value: Any) -> bool:
+    """Whether ``value`` is a tensor off the CPU (a copy of an array)."""
+    device = getattr(value, "device", None)
+    return device is not None and device.type != "cpu"
+
+
+def _tensor_device(values: tuple) -> Any:
+    """The device of the first torch tensor among ``values``, or None."""
+    for value in values:
+        if hasattr(value, "untyped_storage") and hasattr(value, "device"):
+            return value.device
+    return None
+
+
+def _check_result_device(result: Any, inputs: Any) -> None:
+    """Fail, naming the device, where a tensor of ``result`` (or of the
+    tuple or list it is) is not on ``inputs``, the inputs' device."""
+    parts = result if isinstance(result, tuple | list) else (result,)
+    for number, part in enumerate(parts):
+        device = getattr(part, "device", None)
+        if not hasattr(part, "untyped_storage") or device is None:
+            continue
+        same = device.type == inputs.type and (
+            inputs.index is None or device.index == inputs.index
+        )
+        if same:
+            continue
+        what = (
+            f"part {number} of its result"
+            if isinstance(result, tuple | list)
+            else "its result"
+        )
+        raise Failed(
+            f"{what} is a tensor on {device}, but its inputs are on "
+            f"{inputs}: make the result where the inputs are "
+            "(torch.empty_like(x), or torch.empty(..., device=x.device))"
+        )
+
+
 # Arrays in and out, comparisons, messages
 
 
-def to_framework(value: Any, framework: str, copy: bool) -> Any:
+def to_framework(
+    value: Any, framework: str, copy: bool, device: str = "cpu"
+) -> Any:
+    """``value``, an array, in ``framework`` (torch: on ``device``); any
+    other value as it is."""
     if not isinstance(value, np.ndarray):
         return value
     if copy:
@@ -195,7 +324,8 @@ def to_framework(value: Any, framework: str, copy: bool) -> Any:
     if framework == "torch":
         import torch
 
-        return torch.from_numpy(value)  # shares memory, float64 stays
+        tensor = torch.from_numpy(value)  # shares memory, float64 stays
+        return tensor if device == "cpu" else tensor.to(device)
     return value
 
 

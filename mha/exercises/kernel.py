@@ -2,11 +2,12 @@
 
 ``fn(q, k, v, causal)`` gets float32 torch tensors, q (B, H, T_q, d) and k,
 v (B, H_kv, T_k, d), on the CPU where the kernels run in Triton's
-interpreter (on the GPU where they are compiled), and returns ``out`` or
-``(out, lse)``. The checker runs a grid of shapes (key tiles enough for the
-running maximum to grow, lengths that are not multiples of a tile, causal
-with T_q < T_k, T_q = 1 and T_q > T_k, grouped and multi-query heads, head
-sizes 16 to 128, odd ones too), compares with attention in float64 and,
+interpreter (on the GPU where they are compiled: ``device`` chooses
+otherwise), and returns ``out`` or ``(out, lse)`` on the same device. The
+checker runs a grid of shapes (key tiles enough for the running maximum to
+grow, lengths that are not multiples of a tile, causal with T_q < T_k,
+T_q = 1 and T_q > T_k, grouped and multi-query heads, head sizes 16 to
+128, odd ones too), compares with attention in float64 and,
 where a result equals a known mistake's, names the mistake.
 
 The known mistakes are computed here in float64, from the same inputs: the
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .checker import Checker, Failed
+from .checker import DEVICE_ERRORS, Checker, Failed
 
 __all__ = ["check_flash_attention", "TOLERANCE", "FORWARD_ITEMS"]
 
@@ -125,7 +126,11 @@ BACKWARD_ITEMS: tuple[tuple[str, tuple[Case, ...]], ...] = (
 
 
 def check_flash_attention(
-    fn: Callable, *, backward: bool = False, verbose: bool = True
+    fn: Callable,
+    *,
+    backward: bool = False,
+    verbose: bool = True,
+    device: Any = None,
 ) -> None:
     """Check ``fn(q, k, v, causal)``: attention, tile by tile.
 
@@ -137,6 +142,11 @@ def check_flash_attention(
     ``-inf`` where a query sees no key. With ``backward=True`` the
     gradients of ``out`` with respect to q, k and v are checked too.
 
+    The tensors are on ``device``; None: where the Triton kernels run
+    (:func:`~mha.exercises.checker.kernel_device`: CUDA where Triton compiles
+    for the GPU, the CPU in its interpreter). ``out`` and ``lse`` must be on
+    the device of q; the comparisons are made on the CPU, in float64.
+
     Catches: acc and ell not rescaled when the running maximum grows; causal
     aligned top-left; the key tail not masked; the GQA head map ``h % H_kv``;
     no ``1/sqrt(d)``; exp2 without the log2(e) factor; a float16
@@ -146,8 +156,8 @@ def check_flash_attention(
     Returns None when every item passes (printing the checklist unless
     ``verbose=False``); raises ``AssertionError`` naming the item otherwise.
     """
-    checker = Checker("check_flash_attention", fn, "torch")
-    device = _device()
+    checker = Checker("check_flash_attention", fn, "torch", device=device)
+    device = checker.device
     returned_lse: list[bool] = []
 
     def run(case: Case, seed: int) -> tuple[Tensor, Tensor | None, tuple]:
@@ -190,15 +200,6 @@ def _print_checklist(checker: Checker, lse: bool, backward: bool) -> None:
     )
     if not backward:
         print("  (the gradients: check_flash_attention(fn, backward=True))")
-
-
-def _device() -> str:
-    """Where the learner's kernels run: the CPU in Triton's interpreter."""
-    if not torch.cuda.is_available():
-        return "cpu"
-    from ..kernels import INTERPRETED
-
-    return "cpu" if INTERPRETED else "cuda"
 
 
 # ---------------------------------------------------------------------------
@@ -368,7 +369,7 @@ def _row_max(q, k, case: Case) -> Tensor:
 
 
 def _check_backward(checker: Checker, case: Case, seed: int) -> None:
-    device = _device()
+    device = checker.device
     leaves = [t.to(device).requires_grad_() for t in case.inputs(seed)]
     result = checker.call(*leaves, case.causal, copy=False)
     out, _ = _out_and_lse(result, case)
@@ -386,8 +387,16 @@ def _check_backward(checker: Checker, case: Case, seed: int) -> None:
             out, leaves, d_out.to(device), allow_unused=True
         )
     except Exception as error:
+        hint = ""
+        if any(words in str(error) for words in DEVICE_ERRORS):
+            hint = (
+                f"\nThe tensors are on {device}, and one the backward pass "
+                "made is not: make new tensors where the inputs are "
+                "(torch.empty_like(q), or device=q.device)."
+            )
         raise Failed(
             f"{where}the backward pass raised {type(error).__name__}: {error}"
+            + hint
         ) from None
     q, k, v = (t.detach().cpu().double() for t in leaves)
     expected = _dense_gradients(q, k, v, d_out.double(), case.causal)

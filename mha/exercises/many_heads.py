@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,11 @@ _AXES = {
 
 
 def check_split_heads(
-    fn: Callable, *, verbose: bool = True, framework: str = "numpy"
+    fn: Callable,
+    *,
+    verbose: bool = True,
+    framework: str = "numpy",
+    device: Any = None,
 ) -> None:
     """Check ``fn(x, num_heads)``: (..., T, D) -> (..., H, T, D / H).
 
@@ -39,7 +44,7 @@ def check_split_heads(
     every H-th column; the axes in the wrong order.
     """
     __tracebackhide__ = True  # tracebacks show the caller's line
-    checker = Checker("check_split_heads", fn, framework)
+    checker = Checker("check_split_heads", fn, framework, device=device)
     rng = np.random.default_rng(2)
     # B = 2, T = 3, H = 4, d_k = 5: every axis has its own length
     x = rng.normal(size=(2, 3, 20))
@@ -81,7 +86,11 @@ def check_split_heads(
 
 
 def check_merge_heads(
-    fn: Callable, *, verbose: bool = True, framework: str = "numpy"
+    fn: Callable,
+    *,
+    verbose: bool = True,
+    framework: str = "numpy",
+    device: Any = None,
 ) -> None:
     """Check ``fn(heads)``: (..., H, T, d_k) -> (..., T, H * d_k).
 
@@ -89,7 +98,7 @@ def check_merge_heads(
     back behind T; interleaving the heads' columns.
     """
     __tracebackhide__ = True  # tracebacks show the caller's line
-    checker = Checker("check_merge_heads", fn, framework)
+    checker = Checker("check_merge_heads", fn, framework, device=device)
     rng = np.random.default_rng(3)
     heads = rng.normal(size=(2, 4, 3, 5))  # (B, H, T, d_k)
     expected = reference.merge_heads(heads)
@@ -126,7 +135,11 @@ def check_merge_heads(
 
 
 def check_multi_head_attention(
-    fn: Callable, *, verbose: bool = True, framework: str = "numpy"
+    fn: Callable,
+    *,
+    verbose: bool = True,
+    framework: str = "numpy",
+    device: Any = None,
 ) -> None:
     """Check ``fn(x, w_q, w_k, w_v, w_o, num_heads, mask=None)``.
 
@@ -145,7 +158,9 @@ def check_multi_head_attention(
     may attend to nothing.
     """
     __tracebackhide__ = True  # tracebacks show the caller's line
-    checker = Checker("check_multi_head_attention", fn, framework, KEEPDIMS)
+    checker = Checker(
+        "check_multi_head_attention", fn, framework, KEEPDIMS, device=device
+    )
     rng = np.random.default_rng(4)
     # B = 2, T = 5, D = 12, H = 3, d_k = 4
     x = rng.normal(size=(2, 5, 12))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +28,7 @@ def check_causal_mask(
     align: str = "top-left",
     verbose: bool = True,
     framework: str = "numpy",
+    device: Any = None,
 ) -> None:
     """Check ``fn(t_q, t_k)``: a boolean causal mask, True = may attend.
 
@@ -38,7 +40,7 @@ def check_causal_mask(
     """
     __tracebackhide__ = True  # tracebacks show the caller's line
     check_choice("align", align, ("top-left", "bottom-right"))
-    checker = Checker("check_causal_mask", fn, framework)
+    checker = Checker("check_causal_mask", fn, framework, device=device)
     other = "bottom-right" if align == "top-left" else "top-left"
 
     def expected(t_q, t_k, how=align):
@@ -105,6 +107,7 @@ def check_rope(
     base: float = 10000.0,
     verbose: bool = True,
     framework: str = "numpy",
+    device: Any = None,
 ) -> None:
     """Check ``fn(x, positions)``: rotary embeddings of (B, H, T, d_k) heads.
 
@@ -118,7 +121,7 @@ def check_rope(
     __tracebackhide__ = True  # tracebacks show the caller's line
     from ..positions import apply_rope
 
-    checker = Checker("check_rope", fn, framework)
+    checker = Checker("check_rope", fn, framework, device=device)
     rng = np.random.default_rng(5)
     x = rng.normal(size=(2, 3, 6, 8))  # (B, H, T, d_k)
     positions = np.arange(6)
@@ -210,7 +213,11 @@ def check_rope(
 
 
 def check_padded_positions(
-    fn: Callable, *, verbose: bool = True, framework: str = "numpy"
+    fn: Callable,
+    *,
+    verbose: bool = True,
+    framework: str = "numpy",
+    device: Any = None,
 ) -> None:
     """Check ``fn(keep)``: the positions of the real tokens of a padded batch.
 
@@ -222,7 +229,7 @@ def check_padded_positions(
     if it started later); counting from 1.
     """
     __tracebackhide__ = True  # tracebacks show the caller's line
-    checker = Checker("check_padded_positions", fn, framework)
+    checker = Checker("check_padded_positions", fn, framework, device=device)
     keep = np.array(
         [
             [False, False, True, True, True],  # padded on the left

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +22,11 @@ from .checker import (
 
 
 def check_softmax(
-    fn: Callable, *, verbose: bool = True, framework: str = "numpy"
+    fn: Callable,
+    *,
+    verbose: bool = True,
+    framework: str = "numpy",
+    device: Any = None,
 ) -> None:
     """Check ``fn(x, axis=-1)``, a softmax along ``axis``.
 
@@ -41,6 +46,7 @@ def check_softmax(
             "x.max(axis=axis, keepdims=True)"
             for words in KEEPDIMS
         },
+        device=device,
     )
     rng = np.random.default_rng(0)
     square = rng.normal(size=(4, 4))  # square: a missing keepdims broadcasts
@@ -154,7 +160,11 @@ def check_softmax(
 
 
 def check_scaled_dot_product_attention(
-    fn: Callable, *, verbose: bool = True, framework: str = "numpy"
+    fn: Callable,
+    *,
+    verbose: bool = True,
+    framework: str = "numpy",
+    device: Any = None,
 ) -> None:
     """Check ``fn(q, k, v, mask=None)``: softmax(q k^T / sqrt(d_k)) v.
 
@@ -174,6 +184,7 @@ def check_scaled_dot_product_attention(
             "(T_q, T_k).",
             **KEEPDIMS,
         },
+        device=device,
     )
     rng = np.random.default_rng(1)
     # T_q = 3, T_k = 4, d_k = 5, d_v = 6: every mix-up changes a shape

@@ -4,6 +4,7 @@ online-softmax step."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +22,11 @@ from .checker import (
 
 
 def check_kv_cache_update(
-    fn: Callable, *, verbose: bool = True, framework: str = "numpy"
+    fn: Callable,
+    *,
+    verbose: bool = True,
+    framework: str = "numpy",
+    device: Any = None,
 ) -> None:
     """Check ``fn(keys, values, k, v, length) -> (k_all, v_all)``.
 
@@ -35,7 +40,7 @@ def check_kv_cache_update(
     writing past ``max_len`` without an error.
     """
     __tracebackhide__ = True  # tracebacks show the caller's line
-    checker = Checker("check_kv_cache_update", fn, framework)
+    checker = Checker("check_kv_cache_update", fn, framework, device=device)
     rng = np.random.default_rng(6)
     shape = (2, 3, 8, 4)  # (B, H_kv, max_len, d_k)
     # three steps of 3, 1 and 2 new tokens: (B, H_kv, T, d_k) keys, values
@@ -46,7 +51,10 @@ def check_kv_cache_update(
         if framework == "torch":
             import torch
 
-            return tuple(torch.from_numpy(b) for b in buffers)
+            # on the device of the tensors fn gets
+            return tuple(
+                torch.from_numpy(b).to(checker.device) for b in buffers
+            )
         return buffers
 
     def run_steps():
@@ -143,7 +151,11 @@ def check_kv_cache_update(
 
 
 def check_online_softmax_step(
-    fn: Callable, *, verbose: bool = True, framework: str = "numpy"
+    fn: Callable,
+    *,
+    verbose: bool = True,
+    framework: str = "numpy",
+    device: Any = None,
 ) -> None:
     """Check ``fn(m, ell, acc, scores, v) -> (m, ell, acc)``: one step of the
     online softmax (the inner loop of :func:`mha.flash_attention`).
@@ -158,7 +170,9 @@ def check_online_softmax_step(
     one; the exponentials of the raw scores (overflow).
     """
     __tracebackhide__ = True  # tracebacks show the caller's line
-    checker = Checker("check_online_softmax_step", fn, framework)
+    checker = Checker(
+        "check_online_softmax_step", fn, framework, device=device
+    )
     rng = np.random.default_rng(7)
     # four blocks of 3 keys for 2 queries; the maxima go up, down, far up
     blocks = [

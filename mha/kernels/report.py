@@ -1,10 +1,12 @@
 """How your own Triton kernel compiles for the A100 and the H100.
 
-:func:`compile_report` runs a launcher once (in Triton's interpreter where
-there is no GPU), records every Triton kernel it launches (the kernel's
-source, the arguments' dtypes, shapes and strides, the constexprs, warps and
-stages), compiles each ahead of time for sm_80 and sm_90 and returns one row
-per build, with the columns of ``python -m mha.kernels --inspect``:
+:func:`compile_report` calls a launcher once and records every Triton
+kernel it launches (the kernel's source, the arguments' dtypes, shapes and
+strides, the constexprs, warps and stages) without running it: nothing is
+launched, in Triton's interpreter or on a GPU, so example tensors on the CPU
+serve on either machine (a kernel compiled for the GPU cannot read them).
+It compiles each kernel ahead of time for sm_80 and sm_90 and returns one
+row per build, with the columns of ``python -m mha.kernels --inspect``:
 registers, spills, shared memory and tensor-core instructions. Where the
 launcher's first arguments are q, k and v, the book's forward kernel is
 compiled for the same shapes, beside it.
@@ -49,6 +51,10 @@ def compile_report(
 ) -> list[dict]:
     """Compile the kernels ``fn(*example_args)`` launches, for each arch.
 
+    ``fn`` runs, its kernels do not: their launches are recorded only (what
+    they would write stays as ``fn`` allocated it), so the example tensors
+    may be on the CPU or a GPU, whether Triton compiles or interprets here.
+
     Returns rows as ``python -m mha.kernels --inspect`` prints them (kernel,
     arch, dtype, head_dim, causal, block_q, block_k, num_warps, num_stages,
     registers, stack_bytes, spill_bytes, shared_bytes, hmma, hgmma, ...,
@@ -77,7 +83,7 @@ def compile_report(
                 f"archs must be among sm_80 (A100) and sm_90 (H100), got "
                 f"{arch!r}"
             )
-    with capture_launches() as launches:
+    with capture_launches(run=False) as launches:
         fn(*example_args)
     if not launches:
         raise ValueError(
@@ -97,9 +103,14 @@ def compile_report(
 
 
 @contextmanager
-def capture_launches() -> Iterator[list[dict]]:
-    """Record each Triton kernel launched inside the ``with`` block (and
-    still run it): its source, name, arguments and launch options."""
+def capture_launches(run: bool = True) -> Iterator[list[dict]]:
+    """Record each Triton kernel launched inside the ``with`` block: its
+    source, name, arguments and launch options.
+
+    ``run``: launch it too (as it would be without the ``with``); False
+    records it only, and launches nothing: no tensor is read, on any
+    device, and nothing is compiled for this machine's GPU.
+    """
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
@@ -107,22 +118,24 @@ def capture_launches() -> Iterator[list[dict]]:
     originals = {cls: cls.run for cls in (InterpretedFunction, JITFunction)}
 
     def recording(cls):
-        def run(self, *args, grid, warmup, **kwargs):
+        def recorded(self, *args, grid, warmup, **kwargs):
             if not warmup:
-                launches.append(_describe_launch(self.fn, args, kwargs))
+                launches.append(_describe_launch(self.fn, args, dict(kwargs)))
+                if not run:
+                    return None
             return originals[cls](
                 self, *args, grid=grid, warmup=warmup, **kwargs
             )
 
-        return run
+        return recorded
 
     for cls in originals:
         cls.run = recording(cls)
     try:
         yield launches
     finally:
-        for cls, run in originals.items():
-            cls.run = run
+        for cls, original in originals.items():
+            cls.run = original
 
 
 def _describe_launch(fn, args: tuple, kwargs: dict) -> dict:
