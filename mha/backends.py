@@ -436,7 +436,7 @@ def flex(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
             )
         t_k = padded
     if "window" in kinds:
-        parts.append(variants.sliding_window(masking.window))
+        parts.append(variants.sliding_window(masking.window, device=q.device))
     elif "causal" in kinds:
         parts.append(variants.causal)
     if masking.padding is not None:

@@ -94,29 +94,52 @@ def causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
     return q_idx >= kv_idx
 
 
-def sliding_window(window: int) -> MaskMod:
-    """Query i sees the ``window`` keys j with i - window < j <= i."""
-    window = torch.tensor(check_int("window", window))
+def _held(function, device: torch.device):
+    """Mark a mask_mod with the device of the tensors it reads (checked
+    against the queries' by :func:`flex` and :func:`block_mask`)."""
+    function.device = device
+    return function
+
+
+def _scalar(value: int, device) -> Tensor:
+    """A number a mask_mod reads as a 0-d tensor on ``device``: a tensor,
+    not a constant in the kernel's code, so that one compiled kernel serves
+    every value; on the queries' device, as the compiled kernel (its
+    backward too) reads it from there."""
+    return torch.tensor(value, device=device)
+
+
+def sliding_window(
+    window: int, *, device: torch.device | str | None = None
+) -> MaskMod:
+    """Query i sees the ``window`` keys j with i - window < j <= i.
+
+    ``device``: the queries' (default the CPU); the window is a tensor
+    there."""
+    window = _scalar(check_int("window", window), device)
 
     def sliding_window_mask(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
-    return sliding_window_mask
+    return _held(sliding_window_mask, window.device)
 
 
-def sink_window(window: int, sinks: int) -> MaskMod:
+def sink_window(
+    window: int, sinks: int, *, device: torch.device | str | None = None
+) -> MaskMod:
     """A sliding window plus the first ``sinks`` keys (attention sinks).
 
-    Query i sees keys j <= i with i - window < j or j < sinks.
+    Query i sees keys j <= i with i - window < j or j < sinks. ``device``:
+    as :func:`sliding_window`'s.
     """
-    window = torch.tensor(check_int("window", window))
-    sinks = torch.tensor(check_int("sinks", sinks, minimum=0))
+    window = _scalar(check_int("window", window), device)
+    sinks = _scalar(check_int("sinks", sinks, minimum=0), device)
 
     def sink_window_mask(b, h, q_idx, kv_idx):
         near = q_idx - kv_idx < window
         return (q_idx >= kv_idx) & (near | (kv_idx < sinks))
 
-    return sink_window_mask
+    return _held(sink_window_mask, window.device)
 
 
 def document(
@@ -141,14 +164,17 @@ def document(
     return document_mask
 
 
-def prefix_lm(prefix_len: int) -> MaskMod:
-    """Every query sees the first ``prefix_len`` keys; causal after them."""
-    prefix = torch.tensor(check_int("prefix_len", prefix_len, minimum=0))
+def prefix_lm(
+    prefix_len: int, *, device: torch.device | str | None = None
+) -> MaskMod:
+    """Every query sees the first ``prefix_len`` keys; causal after them.
+    ``device``: as :func:`sliding_window`'s."""
+    prefix = _scalar(check_int("prefix_len", prefix_len, minimum=0), device)
 
     def prefix_lm_mask(b, h, q_idx, kv_idx):
         return (kv_idx < prefix) | (q_idx >= kv_idx)
 
-    return prefix_lm_mask
+    return _held(prefix_lm_mask, prefix.device)
 
 
 # ---------------------------------------------------------------------------
