@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 2
 export MKL_NUM_THREADS ?= 2
 export PYDEVD_DISABLE_FILE_VALIDATION := 1
 
-.PHONY: help venv book book-stored test lint unit nbval nbval-other-isa html-checks lab refresh bench clean
+.PHONY: help venv book book-stored test lint unit nbval nbval-other-isa html-checks lab refresh bench gpu-check clean
 
 help:
 	@echo "make book     build the HTML book (executes every chapter, fails on any warning)"
@@ -21,6 +21,7 @@ help:
 	@echo "make lab      JupyterLab on the book (chapters/ first, appendix/) with mha importable"
 	@echo "make refresh  re-execute every notebook in place so its stored outputs are current"
 	@echo "make bench    python -m mha.bench with its defaults on this machine's CPU"
+	@echo "make gpu-check  on a CUDA GPU, with that machine's own python3 (no venv): race grid, cuda tests, timings"
 	@echo "make clean    remove _build and caches (keeps .venv)"
 
 venv: $(STAMP)
@@ -93,6 +94,13 @@ refresh: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m mha.bench --device cpu
+
+# On a machine with a CUDA GPU, with its own Python (torch >= 2.11, triton >= 3.6,
+# transformers >= 5.17) and nothing installed: no venv. Writes benchmarks/gpu_<device>_<date>.json.
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m mha.bench.gpu $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf _build .pytest_cache .hypothesis

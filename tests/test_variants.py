@@ -475,7 +475,7 @@ def test_compiled_softcap_gradients_on_a_gpu() -> None:
     H, T, d = 4, 256, 64
     q, k, v = (t.cuda().requires_grad_() for t in _inputs(1, H, H, T, T, d, dtype=torch.float32))
     grad_out = randn(1, H, T, d, seed=4, dtype=torch.float32).cuda()
-    mask_mod, score_mod = variants.sliding_window(64), variants.softcap(1.0)
+    mask_mod, score_mod = variants.sliding_window(64, device="cuda"), variants.softcap(1.0)
     out = variants.flex(q, k, v, mask_mod=mask_mod, score_mod=score_mod)
     ours = torch.autograd.grad(out, (q, k, v), grad_out)
     keep = variants.dense_mask(mask_mod, T).cuda()
@@ -815,3 +815,16 @@ def test_a_variant_reading_a_tensor_names_its_device() -> None:
     assert variants.document(ids).device == ids.device  # a tensor stays where it is
     with pytest.raises(ValueError, match=r"mask_mod reads a tensor on meta.*device='cpu'"):
         variants.flex(q, q, q, mask_mod=variants.document(ids, device="meta"), compiled=False)
+
+
+def test_a_mask_on_another_device_than_the_queries_is_refused_by_name() -> None:
+    # The window is a tensor the compiled kernel reads: it must live where the queries do.
+    q = torch.zeros(1, 1, 16, 16, device="meta")
+    for mask_mod in (
+        variants.sliding_window(4),
+        variants.prefix_lm(2),
+        variants.sink_window(4, 1),
+    ):
+        with pytest.raises(ValueError, match="build it with device='meta'"):
+            variants.flex(q, q, q, mask_mod=mask_mod, compiled=False)
+    assert variants.sliding_window(4, device="meta").device == torch.device("meta")

@@ -118,7 +118,7 @@ _TILES = {
     ("paged", "sm_90", 4, 128): Tiles(16, 16, 4, 2),
     ("split_kv", "sm_90", 4, 256): Tiles(16, 16, 4, 2),
     ("paged", "sm_90", 4, 256): Tiles(16, 16, 4, 2),
-    ("backward_dk_dv", "sm_80", 4, 64): Tiles(32, 16, 8, 2),
+    ("backward_dk_dv", "sm_80", 4, 64): Tiles(32, 16, 8, 1),
     ("backward_dk_dv", "sm_80", 4, 128): Tiles(16, 16, 8, 2),
     ("backward_dk_dv", "sm_80", 4, 256): Tiles(16, 16, 8, 1),
     ("backward_dk_dv", "sm_90", 4, 64): Tiles(32, 16, 8, 2),
