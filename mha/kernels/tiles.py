@@ -87,7 +87,7 @@ _TILES = {
     ("paged", "sm_90", 2, 128): Tiles(16, 64, 4, 3),
     ("split_kv", "sm_90", 2, 256): Tiles(16, 32, 4, 2),
     ("paged", "sm_90", 2, 256): Tiles(16, 32, 4, 2),
-    ("backward_dk_dv", "sm_80", 2, 64): Tiles(32, 64, 8, 2),
+    ("backward_dk_dv", "sm_80", 2, 64): Tiles(32, 64, 8, 1),
     ("backward_dk_dv", "sm_80", 2, 128): Tiles(32, 64, 8, 2),
     ("backward_dk_dv", "sm_80", 2, 256): Tiles(16, 32, 8, 2),
     ("backward_dk_dv", "sm_90", 2, 64): Tiles(32, 64, 4, 2),
