@@ -830,11 +830,18 @@ class LatentAttentionShape:
         return 2 * (query + latent + H * self.v_head_dim * D)
 
     def attention_flops(
-        self, context: int, *, absorb: bool, queries: int = 1
+        self,
+        context: int,
+        *,
+        absorb: bool,
+        queries: int = 1,
+        causal: bool = False,
     ) -> int:
         """The rest: what the attention of ``queries`` new tokens to
         ``context`` keys costs (every score computed, as a dense kernel
-        does, masked or not).
+        does, masked or not; ``causal=True``: only the scores a causal
+        mask keeps, query i of the n newest seeing ``context - n + i + 1``
+        keys, as a kernel that skips masked scores does).
 
         Naive (``absorb=False``): ``kv_b_proj`` expands every cached latent
         into H keys (d_N) and values (d_v), ``2 T_k r H (d_N + d_v)``, once
@@ -848,9 +855,10 @@ class LatentAttentionShape:
         n = check_int("queries", queries)
         H, r, d_r = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
         d_n, d_v = self.qk_nope_head_dim, self.v_head_dim
+        pairs = n * T - (n * (n - 1) // 2 if causal else 0)  # scores
         if absorb:
-            return 2 * H * n * (d_n * r + T * (2 * r + d_r) + r * d_v)
-        return 2 * T * r * H * (d_n + d_v) + 2 * H * n * T * (d_n + d_r + d_v)
+            return 2 * H * (n * (d_n * r + r * d_v) + pairs * (2 * r + d_r))
+        return 2 * T * r * H * (d_n + d_v) + 2 * H * pairs * (d_n + d_r + d_v)
 
     def decode_flops(self, context: int, *, absorb: bool) -> int:
         """Projections and attention of one decoded token, one layer."""

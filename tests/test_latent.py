@@ -373,3 +373,22 @@ def test_bfloat16_is_as_close_to_float64_as_transformers_own(absorb: bool) -> No
     their_error = (theirs_b.double() - exact).abs().max()
     our_error = (ours_b.double() - exact).abs().max()
     assert our_error <= 1.25 * their_error, (our_error, their_error)
+
+
+@pytest.mark.parametrize("absorb", [False, True])
+def test_causal_counts_charge_each_query_for_the_keys_it_sees(absorb: bool) -> None:
+    # A chunk of 4 queries after 13 cached keys (17 in all), causal: the queries see 14, 15, 16
+    # and 17 keys, 62 scores in all instead of 4 * 17 = 68. The count is what one query at each
+    # of those context lengths costs, the naive expansion of the cache paid once.
+    v3 = DEEPSEEK_V3_MLA
+    H, r, d_r = v3.num_heads, v3.kv_lora_rank, v3.qk_rope_head_dim
+    d_n, d_v = v3.qk_nope_head_dim, v3.v_head_dim
+    per_score = 2 * H * ((2 * r + d_r) if absorb else (d_n + d_r + d_v))
+    dense = v3.attention_flops(17, absorb=absorb, queries=4)
+    causal = v3.attention_flops(17, absorb=absorb, queries=4, causal=True)
+    assert dense - causal == (68 - 62) * per_score
+    if absorb:  # each query alone at its own context
+        assert causal == sum(v3.attention_flops(t, absorb=True) for t in (14, 15, 16, 17))
+    assert v3.attention_flops(17, absorb=absorb, queries=1, causal=True) == (
+        v3.attention_flops(17, absorb=absorb)
+    )
