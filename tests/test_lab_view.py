@@ -36,6 +36,8 @@ NOTEBOOKS = [
     ROOT / "appendix" / "attention_bugs.ipynb",
 ]
 RAW_ROLE = re.compile(r"\{(?:glue|cite|ref|numref|doc|eval|solution|exercise)[\w:-]*\}")
+# a directive's fence shown as text (```{admonition}, :::{note}): MyST did not parse it
+RAW_FENCE = re.compile(r"(?:`{3,}|:{3,})\s*\{[\w-]+\}")
 
 
 def _free_port() -> int:
@@ -163,6 +165,7 @@ def raw_things(text: str, notebook: dict) -> list[str]:
     """Key names, bibtex keys, labels and raw roles that the rendered text shows."""
     words = set(re.findall(r"[\w-]+", text))
     found = [f"raw role {m}" for m in sorted(set(RAW_ROLE.findall(text)))]
+    found += [f"raw fence {m}" for m in sorted(set(RAW_FENCE.findall(text)))]
     found += [f"glue key {k}" for k in sorted(glue_keys(notebook) & words)]
     found += [f"bibtex key {k}" for k in sorted(BIBTEX_KEYS & words)]
     found += [f"label {k}" for k in sorted(labels(notebook) & words)]
