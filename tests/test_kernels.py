@@ -422,3 +422,87 @@ def test_interpreter_is_chosen_without_a_gpu() -> None:
     # An explicit choice is respected.
     completed = _python(code, TRITON_INTERPRET="1")
     assert completed.stdout.split()[0] == "True"
+
+
+# A learner's kernel that calls a jitted helper of triton.language (tl.max); Triton reads a
+# kernel's source from its file, so it is written to one.
+ROW_MAX_KERNEL = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def row_max_kernel(X, Y, N: tl.constexpr):
+    cols = tl.arange(0, N)
+    x = tl.load(X + cols)
+    tl.store(Y + cols, x - tl.max(x, axis=0))
+"""
+
+IMPORT_ORDER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+{first}
+import torch
+import mha.kernels as kernels
+from row_max import row_max_kernel
+print(kernels.INTERPRETED, kernels.TRITON_IMPORTED_FIRST)
+q = torch.randn(1, 2, 20, 16)  # the book's kernels call no helper of triton.language
+torch.testing.assert_close(kernels.triton_attention(q, q, q), torch.softmax(
+    q @ q.transpose(-1, -2) / 4, dim=-1) @ q)
+x, y = torch.randn(8), torch.empty(8)
+try:
+    row_max_kernel[(1,)](x, y, N=8)
+except kernels.TritonImportOrderError as error:
+    print(error)
+else:
+    assert torch.equal(y, x - x.max())
+    print("ran")
+"""
+
+
+CHOSEN = "before mha.kernels chose Triton's interpreter (it sets TRITON_INTERPRET=1 where"
+SET = "before TRITON_INTERPRET=1 was set, by `import triton`"
+
+
+@pytest.mark.parametrize(
+    "first, variable, explained",
+    [
+        ("import triton", None, CHOSEN),
+        ("import torch._inductor.runtime.triton_helpers", None, CHOSEN),  # imports triton
+        ("import os, triton; os.environ['TRITON_INTERPRET'] = '1'", None, SET),  # by hand, late
+        ("", None, None),  # the normal order: mha.kernels first
+        ("import triton", "1", None),  # the variable set before anything imported triton
+    ],
+)
+def test_triton_imported_before_mha_kernels_is_explained(
+    tmp_path, first, variable, explained
+) -> None:
+    # as on a machine without a GPU (none is visible to the child): import triton (or what
+    # imports it), then mha.kernels, which chooses the interpreter too late for the helpers of
+    # triton.language; the first launch of a kernel that calls one says so, in our words
+    (tmp_path / "row_max.py").write_text(ROW_MAX_KERNEL)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    if variable is not None:
+        env["TRITON_INTERPRET"] = variable
+    completed = subprocess.run(
+        [sys.executable, "-c", IMPORT_ORDER.format(first=first), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    flags, said = completed.stdout.split("\n", 1)
+    assert flags == f"True {explained is not None}"
+    if explained is None:
+        assert said == "ran\n"
+        return
+    assert said.startswith(
+        "the kernel row_max_kernel runs in Triton's CPU interpreter, but triton was imported "
+        + explained
+    )
+    assert "tl.max" in said and "Cannot call" not in said  # our words, not Triton's
+    assert "restart the kernel" in said and "import mha.kernels first" in said
+    assert "set TRITON_INTERPRET=1 before anything imports triton" in said

@@ -24,6 +24,14 @@ To run the interpreter on a machine with a GPU, set ``TRITON_INTERPRET=1``
 before the first import of ``mha.kernels``; :data:`INTERPRETED` says which
 mode was chosen.
 
+Import ``mha.kernels`` before ``triton`` (and before anything that imports
+it, such as torch's compiler). Triton decorates the helpers of its own
+``triton.language`` (``tl.max``, ``tl.sum``, ``tl.zeros_like``, ...) when it
+is first imported: imported before the interpreter was chosen, they are
+compiled, and an interpreted kernel that calls one fails.
+:data:`TRITON_IMPORTED_FIRST` says so, and such a kernel's launch raises
+:class:`TritonImportOrderError`, which says what to do.
+
 The interpreter runs the kernel's exact code, one program after the other,
 so it checks correctness, never speed. Its bfloat16 ``tl.dot`` multiplies
 the raw bit patterns (Triton issue #11584; an earlier one, #4972, is about
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -45,11 +54,14 @@ __all__ = [
     "HEAD_DIMS",
     "TRITON_AVAILABLE",
     "INTERPRETED",
+    "TRITON_IMPORTED_FIRST",
+    "TritonImportOrderError",
     "triton_attention",
     "triton_split_kv_attention",
     "triton_paged_attention",
     "paged_attention_torch",
     "compile_report",
+    "format_report",
 ]
 
 #: The largest head size d_k the kernels take.
@@ -76,12 +88,15 @@ def _triton_importable() -> bool:
 # imported already (by torch's compiler, say), its own jitted helpers
 # (tl.max, tl.sum, ...) stay compiled, and a kernel that calls one fails in
 # the interpreter ("Cannot call @triton.jit'd outside of the scope of a
-# kernel"): import mha.kernels before anything that imports triton.
-if (
+# kernel"): import mha.kernels before anything that imports triton. The
+# kernels of this package call none of them; a learner's kernel may.
+_IMPORTED_BEFORE = "triton" in sys.modules
+_CHOSEN_HERE = (
     "TRITON_INTERPRET" not in os.environ
     and _triton_importable()
     and not _cuda_available()
-):
+)
+if _CHOSEN_HERE:
     os.environ["TRITON_INTERPRET"] = "1"
 
 try:
@@ -98,6 +113,77 @@ TRITON_AVAILABLE = triton is not None
 INTERPRETED: bool | None = (
     bool(triton.knobs.runtime.interpret) if TRITON_AVAILABLE else None
 )
+
+
+class TritonImportOrderError(RuntimeError):
+    """An interpreted kernel called a helper of ``triton.language`` that
+    Triton had compiled: triton was imported before the interpreter was
+    chosen. The message says how to start again in the right order."""
+
+
+def _helpers_compiled() -> bool:
+    """Whether triton.language's jitted helpers were decorated for the
+    compiler while kernels decorated now are interpreted."""
+    from triton.runtime.jit import JITFunction
+
+    return bool(INTERPRETED) and isinstance(triton.language.max, JITFunction)
+
+
+#: True when the kernels run in the interpreter but ``triton`` was imported
+#: before it was chosen, so that the helpers of ``triton.language``
+#: (``tl.max``, ``tl.sum``, ...) are compiled and an interpreted kernel
+#: cannot call them (:class:`TritonImportOrderError`); False otherwise.
+TRITON_IMPORTED_FIRST: bool = TRITON_AVAILABLE and _helpers_compiled()
+
+# Triton's own words for a compiled helper called from the interpreter.
+_TRITONS_ERROR = "Cannot call @triton.jit'd outside of the scope of a kernel"
+
+
+def _import_order_message(kernel: str) -> str:
+    who = (
+        "before mha.kernels chose Triton's interpreter (it sets "
+        "TRITON_INTERPRET=1 where there is no GPU)"
+        if _CHOSEN_HERE and _IMPORTED_BEFORE
+        else "before TRITON_INTERPRET=1 was set"
+    )
+    return (
+        f"the kernel {kernel} runs in Triton's CPU interpreter, but triton "
+        f"was imported {who}, by `import triton` or by a library that "
+        "imports it (torch's compiler, for one). Triton then decorated the "
+        "helpers of triton.language (tl.max, tl.sum, tl.zeros_like, "
+        "tl.cdiv, ...) for its GPU compiler, and an interpreted kernel "
+        "cannot call a compiled helper. To fix it, restart the kernel "
+        "(Jupyter: Kernel > Restart) or the process, then import "
+        "mha.kernels first, before triton and anything that imports it; "
+        "or set TRITON_INTERPRET=1 before anything imports triton "
+        "(TRITON_INTERPRET=1 python ...; in a notebook, os.environ["
+        '"TRITON_INTERPRET"] = "1" in the first cell).'
+    )
+
+
+def _explain_import_order() -> None:
+    """Make an interpreted launch that fails on a compiled helper raise
+    :class:`TritonImportOrderError` instead of Triton's own error."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def run_or_explain(self, *args, **kwargs):
+        try:
+            return run(self, *args, **kwargs)
+        except Exception as error:
+            if _TRITONS_ERROR not in str(error):
+                raise
+            name = getattr(self, "__name__", "?")
+            raise TritonImportOrderError(
+                _import_order_message(name)
+            ) from error
+
+    InterpretedFunction.run = run_or_explain
+
+
+if TRITON_IMPORTED_FIRST:
+    _explain_import_order()
 
 
 def triton_attention(
@@ -230,7 +316,10 @@ def compile_report(fn, *example_args, archs=("sm_80", "sm_90")) -> list:
     for the A100 (sm_80) and the H100 (sm_90), beside the book's kernel.
 
     One row per kernel and arch, as ``python -m mha.kernels --inspect``
-    prints them (registers, spills, shared memory, HMMA and HGMMA). See
+    prints them (warps, stages, registers, spills, shared memory, HMMA and
+    HGMMA), with ``warnings`` in words: a spill, what the registers figure
+    of a spilling build means, shared memory beyond what one program may
+    use. :func:`format_report` prints them. See
     :func:`mha.kernels.report.compile_report`.
 
     Raises:
@@ -240,6 +329,14 @@ def compile_report(fn, *example_args, archs=("sm_80", "sm_90")) -> list:
     from .report import compile_report as report
 
     return report(fn, *example_args, archs=archs)
+
+
+def format_report(rows: list) -> str:
+    """The rows of :func:`compile_report` as a table, each build's
+    warnings under it. See :func:`mha.kernels.report.format_report`."""
+    from .report import format_report as table
+
+    return table(rows)
 
 
 def _require_triton(name: str) -> None:

@@ -7,9 +7,20 @@ launched, in Triton's interpreter or on a GPU, so example tensors on the CPU
 serve on either machine (a kernel compiled for the GPU cannot read them).
 It compiles each kernel ahead of time for sm_80 and sm_90 and returns one
 row per build, with the columns of ``python -m mha.kernels --inspect``:
-registers, spills, shared memory and tensor-core instructions. Where the
-launcher's first arguments are q, k and v, the book's forward kernel is
-compiled for the same shapes, beside it.
+warps and stages, registers, spills, shared memory and tensor-core
+instructions, and ``warnings`` in words (:func:`build_warnings`): a spill,
+what the registers figure of a spilling build means, shared memory beyond
+what one program may use. Where the launcher's first arguments are q, k and
+v, the book's forward kernel is compiled for the same shapes, beside it.
+:func:`format_report` prints the rows as a table.
+
+The registers figure is ptxas's own (``cuobjdump -res-usage`` on the cubin,
+checked against ``ptxas -v``): the registers it allocated per thread. Where
+a build spills, that is not what the code needs: ptxas either used every
+register a thread may have (:func:`register_limit`) and spilled the rest, or,
+where it spills much more, kept most values in local memory and counts only
+the registers it still uses (32 or 64 where a tile far too large for the
+registers spills), well below the limit.
 
 A kernel decorated while ``TRITON_INTERPRET=1`` cannot be compiled in the
 same process, so the compiling happens in a child process that rebuilds
@@ -35,7 +46,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["compile_report", "capture_launches", "kernel_source"]
+from .tiles import SHARED_LIMIT
+
+__all__ = [
+    "compile_report",
+    "build_warnings",
+    "register_limit",
+    "format_report",
+    "capture_launches",
+    "kernel_source",
+]
 
 # Launch options a kernel call takes besides its parameters.
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
@@ -44,6 +64,13 @@ TILE_NAMES = {
     "block_q": ("BLOCK_Q", "BLOCK_M"),
     "block_k": ("BLOCK_K", "BLOCK_N"),
 }
+# The GPUs the archs stand for, in a sentence.
+GPUS = {"sm_80": "an A100", "sm_90": "an H100"}
+# Registers: at most 255 per thread, and 65,536 (32-bit) for all the
+# threads of one program, on sm_80 and sm_90 (CUDA C++ Programming Guide,
+# technical specifications per compute capability).
+MAX_REGISTERS = 255
+PROGRAM_REGISTERS = 65536
 
 
 def compile_report(
@@ -58,7 +85,10 @@ def compile_report(
     Returns rows as ``python -m mha.kernels --inspect`` prints them (kernel,
     arch, dtype, head_dim, causal, block_q, block_k, num_warps, num_stages,
     registers, stack_bytes, spill_bytes, shared_bytes, hmma, hgmma, ...,
-    and for your kernels their ``constexprs``): first your kernels', then,
+    and for your kernels their ``constexprs``), each with
+    ``register_limit`` (:func:`register_limit`) and ``warnings``, a list of
+    sentences (:func:`build_warnings`; empty for a build that neither
+    spills nor asks for too much shared memory): first your kernels', then,
     where the first three example arguments are q (B, H, T_q, d) and k, v
     (B, H_kv, T_k, d), the book's forward kernel (``"forward (book)"``) at
     its default tiles for the same shapes and ``causal`` (the first bool
@@ -95,7 +125,107 @@ def compile_report(
         "launches": _unique(launches),
         "book": _book_request(example_args),
     }
-    return _in_a_compiling_process(request)
+    rows = _in_a_compiling_process(request)
+    return [{**row, "warnings": build_warnings(row)} for row in rows]
+
+
+# ---------------------------------------------------------------------------
+# What a row means, in words
+
+
+def register_limit(num_warps: int, maxnreg: int | None = None) -> int:
+    """The most registers ptxas may give one thread of a program of
+    ``num_warps`` warps: 255, or fewer where the program's threads would
+    need more than the 65,536 registers one program may hold (16 warps:
+    128; 32 warps: 64), or ``maxnreg`` where the launch sets it."""
+    limit = min(MAX_REGISTERS, PROGRAM_REGISTERS // (32 * num_warps))
+    return limit if maxnreg is None else min(limit, maxnreg)
+
+
+def build_warnings(row: dict) -> list[str]:
+    """What a build (a row of :func:`compile_report`) should not do, in
+    words: it spills to local memory (and then what its registers figure
+    means), or it asks for more shared memory than one program may use
+    (:data:`mha.kernels.tiles.SHARED_LIMIT`), so that it would not
+    launch."""
+    said = []
+    if row["spill_bytes"]:
+        said.append(
+            f"spills {row['spill_bytes']} bytes to local memory (spill "
+            f"stores and loads; {row['stack_bytes']} bytes of stack per "
+            "thread): a spilled value lives in main memory, behind the "
+            "caches, and is read back from there; smaller tiles, or more "
+            "warps to share them, keep it in registers"
+        )
+        said.append(_registers_when_spilling(row))
+    limit = SHARED_LIMIT[row["arch"]]
+    if row["shared_bytes"] > limit:
+        said.append(
+            f"uses {row['shared_bytes'] / 1024:.1f} KiB of shared memory, "
+            f"more than the {limit // 1024} KiB one program may use on "
+            f"{GPUS[row['arch']]} ({row['arch']}): it would fail to "
+            f"launch; fewer stages (num_stages={row['num_stages']}) or "
+            "smaller tiles need less"
+        )
+    return said
+
+
+def _registers_when_spilling(row: dict) -> str:
+    registers, warps = row["registers"], row["num_warps"]
+    limit = row.get("register_limit") or register_limit(warps)
+    if limit == MAX_REGISTERS:
+        why = f"{limit}, the most any thread may have"
+    elif limit == register_limit(warps):
+        why = f"{limit}: 65,536 shared by the {32 * warps} threads of {warps}"
+        why += " warps"
+    else:
+        why = f"{limit}, set by maxnreg"
+    if registers >= limit:
+        return (
+            f"registers: {registers} is the limit ptxas hit ({why}), not "
+            "what the code needs: it needs more, and the rest spilled"
+        )
+    return (
+        f"registers: {registers} is not what the code needs: spilling this "
+        "much, ptxas kept most values in local memory and counts only the "
+        f"registers it still uses, fewer than the limit ({why})"
+    )
+
+
+def format_report(rows: list[dict]) -> str:
+    """The rows of :func:`compile_report` as a table (79 columns wide for
+    a kernel's name of 20 characters), each build's warnings under it,
+    wrapped at 79 columns."""
+    width = max(len(row["kernel"]) for row in rows) + 1
+    lines = [
+        f"{'kernel':<{width}}GPU      tile warps stages regs  spill"
+        " smem KiB HMMA HGMMA"
+    ]
+    notes = []
+    for row in rows:
+        tile = (
+            f"{row['block_q']}x{row['block_k']}"
+            if row.get("block_q") and row.get("block_k")
+            else "-"
+        )
+        lines.append(
+            f"{row['kernel']:<{width}}{row['arch']:<5}{tile:>8}"
+            f"{row['num_warps']:>6}{row['num_stages']:>7}"
+            f"{row['registers']:>5}{row['spill_bytes']:>7}"
+            f"{row['shared_bytes'] / 1024:>9.1f}"
+            f"{row['hmma']:>5}{row['hgmma']:>6}"
+        )
+        said = row.get("warnings", build_warnings(row))
+        if said:
+            notes.append(f"{row['kernel']}, {row['arch']}:")
+            for sentence in said:
+                notes.append(
+                    textwrap.fill(
+                        sentence, 79, initial_indent="  - ",
+                        subsequent_indent="    ",
+                    )
+                )  # fmt: skip
+    return "\n".join(lines + notes)
 
 
 # ---------------------------------------------------------------------------
@@ -324,10 +454,14 @@ def _compile(kernel, args: list, constants: dict, arch: str) -> dict:
 
     launch = Launch(kernel, (1,), tuple(args), constants)
     compiled = compile_launch(launch, ARCHS[arch])
+    warps = compiled.metadata.num_warps
     return {
-        "num_warps": compiled.metadata.num_warps,
+        "num_warps": warps,
         "num_stages": compiled.metadata.num_stages,
         **read_build(compiled, arch),
+        "register_limit": register_limit(
+            warps, getattr(compiled.metadata, "maxnreg", None)
+        ),
     }
 
 
