@@ -11,7 +11,11 @@ ell``, as :func:`mha.flash.finish` does.
 
 :func:`step_through` draws the steps as one piece of HTML: a row of frames
 chosen with radio buttons and a stylesheet (``:checked``), no script and
-nothing loaded from another host.
+nothing loaded from another host. It shows the numbers in natural units
+(``exp``, as :mod:`mha.flash`), or with ``units="exp2"`` in base 2, as
+chapter 13's Triton exercise and Triton's tutorial compute: the scores and
+``m`` multiplied by log2(e), ``alpha = 2 ** (m_old - m_new)``; ``alpha``,
+``ell``, ``acc`` and the output are the same numbers in both.
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ from numpy.typing import ArrayLike, NDArray
 from . import flash
 
 __all__ = ["Step", "online_softmax_steps", "step_through", "StepThrough"]
+
+# What the step-through can show: natural units, or base 2 (scores and m
+# times log2(e), as a kernel that calls exp2 holds them).
+UNITS = ("natural", "exp2")
+LOG2E = math.log2(math.e)
 
 
 @dataclass(frozen=True)
@@ -145,14 +154,30 @@ def _vector(values) -> str:
 
 
 def step_through(
-    steps: list[Step], t_k: int, block_k: int, query: int
+    steps: list[Step],
+    t_k: int,
+    block_k: int,
+    query: int,
+    *,
+    units: str = "natural",
 ) -> StepThrough:
     """Draw ``steps`` (from :func:`online_softmax_steps` for ``query``) over
     ``t_k`` keys in tiles of ``block_k``: one frame per step, chosen by its
-    button."""
+    button.
+
+    ``units``: "natural" shows the scores and ``m`` as :mod:`mha.flash`
+    holds them, ``alpha = exp(m_old - m_new)``; "exp2" shows them in base 2,
+    multiplied by log2(e), as a kernel that calls ``exp2`` holds them,
+    ``alpha = 2 ** (m_old - m_new)`` (the same number). ``ell``, ``acc`` and
+    the output are the same in both.
+    """
+    if units not in UNITS:
+        raise ValueError(f"units must be 'natural' or 'exp2', got {units!r}")
+    view = _View(steps, units)
     # named by what it shows, to the digits shown, so the same on every CPU
-    shown = [(s.title, _number(s.m), _number(s.ell), _vector(s.acc))
+    shown = [(s.title, view.m(s), _number(s.ell), _vector(s.acc))
              for s in steps]  # fmt: skip
+    shown.append(units)
     uid = "mha-os-" + hashlib.sha1(repr(shown).encode()).hexdigest()[:10]
     inputs, labels, frames = [], [], []
     for number, step in enumerate(steps):
@@ -170,8 +195,8 @@ def step_through(
             + f'<div class="mha-os-what">query {query}, keys 0 to {t_k - 1} '
             f"in tiles of {block_k}</div>"
             + _keys(steps, number, t_k, block_k)
-            + _table(steps, number)
-            + f'<p class="mha-os-say">{_say(steps, number)}</p></div>'
+            + _table(view, number)
+            + f'<p class="mha-os-say">{_say(view, number)}</p></div>'
         )
     body = (
         f'<div class="mha-os" id="{uid}"><style>{_style(uid, len(steps))}'
@@ -180,26 +205,73 @@ def step_through(
         "stylesheet: run the cell (or trust the notebook) to see it.</p>"
         + "".join(inputs)
         + f'<div class="mha-os-tabs">{"".join(labels)}</div>'
+        + f'<p class="mha-os-units">{_units_note(units)}</p>'
         + f'<div class="mha-os-frames">{"".join(frames)}</div></div>'
     )
+    base = " in base 2 (exp2)" if units == "exp2" else ""
     summary = (
         f"online softmax step-through: {len(steps)} steps over {t_k} keys in "
-        f"tiles of {block_k} (interactive in HTML)"
+        f"tiles of {block_k}{base} (interactive in HTML)"
     )
     return StepThrough(body, summary)
+
+
+class _View:
+    """The steps as shown: m and the scores in the units chosen."""
+
+    def __init__(self, steps: list[Step], units: str) -> None:
+        self.steps = steps
+        self.base2 = units == "exp2"
+        self.factor = LOG2E if self.base2 else 1.0
+        self.m_name = "m₂" if self.base2 else "m"
+        self.s_name = "s₂" if self.base2 else "s"
+
+    def m(self, step: Step) -> str:
+        return _number(step.m * self.factor)
+
+    def scores(self, step: Step) -> str:
+        return _vector(step.scores * self.factor)
+
+    def alpha(self, old: str, new: str) -> str:
+        """alpha's formula, with the two maxima as shown."""
+        if self.base2:
+            return f"2^({old} − {new})"
+        return f"exp({old} − {new})"
+
+
+def _units_note(units: str) -> str:
+    if units == "exp2":
+        return (
+            "Base 2, as chapter 13's Triton exercise computes: the scores "
+            "and the running maximum are multiplied by log₂e = 1.443 (s₂ = "
+            "s·log₂e, m₂ = m·log₂e), and α = 2^(m₂ before − m₂ after), which "
+            "equals exp(m before − m after): α, ℓ, acc and the output are "
+            "the same numbers as in natural units."
+        )
+    return (
+        "Natural units, as mha.flash computes: scores s = q·k/√d_k, α = "
+        "exp(m before − m after). Chapter 13's Triton exercise works in "
+        "base 2 (exp2 of the scores times log₂e): the same α, ℓ, acc and "
+        "output, with s and m multiplied by log₂e = 1.443; "
+        'step_through(..., units="exp2") shows it.'
+    )
 
 
 def _keys(steps: list[Step], number: int, t_k: int, block_k: int) -> str:
     """The row of keys, each coloured by what the loop has done with it."""
     step = steps[number]
-    done = max((s.keys[1] for s in steps[: number + 1] if s.kind == "tile"),
-               default=0)  # fmt: skip
+    tiles = [s for s in steps[: number + 1] if s.kind == "tile"]
+    done = max((s.keys[1] for s in tiles), default=0)
+    # a masked key is never seen: it stays masked in every later frame
+    masked = {s.keys[0] + int(i) for s in tiles
+              for i in np.flatnonzero(np.isneginf(s.scores))}  # fmt: skip
     skipped = next((s.keys for s in steps if s.kind == "skipped"), (t_k, t_k))
     cells = []
     for j in range(t_k):
-        if step.kind == "tile" and step.keys[0] <= j < step.keys[1]:
-            masked = math.isinf(step.scores[j - step.keys[0]])
-            kind = "masked" if masked else "now"
+        if j in masked:
+            kind = "masked"
+        elif step.kind == "tile" and step.keys[0] <= j < step.keys[1]:
+            kind = "now"
         elif j >= skipped[0] and step.kind in ("skipped", "finish"):
             kind = "skipped"
         elif j < done:
@@ -211,23 +283,22 @@ def _keys(steps: list[Step], number: int, t_k: int, block_k: int) -> str:
     return (
         '<div class="mha-os-keys" role="img" aria-label="keys 0 to '
         f'{t_k - 1}, coloured by step">{"".join(cells)}</div>'
-        '<div class="mha-os-legend"><span class="k seen"></span>seen '
-        '<span class="k now"></span>this tile '
+        '<div class="mha-os-legend"><span class="k ahead"></span>not read '
+        'yet <span class="k now"></span>this tile '
+        '<span class="k seen"></span>seen '
         '<span class="k masked"></span>masked '
         '<span class="k skipped"></span>skipped</div>'
     )
 
 
-def _table(steps: list[Step], number: int) -> str:
-    step = steps[number]
-    before = steps[number - 1] if number else step
-    rows = [("m", before.m, step.m), ("ℓ", before.ell, step.ell)]
-    cells = "".join(
-        f"<tr><th>{name}</th><td>{_number(old)}</td><td>{_number(new)}</td>"
-        "</tr>"
-        for name, old, new in rows
-    )
-    cells += (
+def _table(view: _View, number: int) -> str:
+    step = view.steps[number]
+    before = view.steps[number - 1] if number else step
+    cells = (
+        f"<tr><th>{view.m_name}</th><td>{view.m(before)}</td>"
+        f"<td>{view.m(step)}</td></tr>"
+        f"<tr><th>ℓ</th><td>{_number(before.ell)}</td>"
+        f"<td>{_number(step.ell)}</td></tr>"
         f"<tr><th>acc</th><td>{_vector(before.acc)}</td>"
         f"<td>{_vector(step.acc)}</td></tr>"
     )
@@ -235,7 +306,8 @@ def _table(steps: list[Step], number: int) -> str:
     if step.kind == "tile":
         extra = (
             f"<tr><th>α</th><td></td><td>{_number(step.alpha)}</td></tr>"
-            f"<tr><th>scores</th><td></td><td>{_vector(step.scores)}</td></tr>"
+            f"<tr><th>scores {view.s_name}</th><td></td>"
+            f"<td>{view.scores(step)}</td></tr>"
         )
     if step.out is not None:
         extra = f"<tr><th>out</th><td></td><td>{_vector(step.out)}</td></tr>"
@@ -245,14 +317,15 @@ def _table(steps: list[Step], number: int) -> str:
     )
 
 
-def _say(steps: list[Step], number: int) -> str:
+def _say(view: _View, number: int) -> str:
+    steps, m = view.steps, view.m_name
     step = steps[number]
     before = steps[number - 1] if number else step
     first, stop = step.keys
     if step.kind == "start":
         return (
-            "Nothing seen yet: m = −∞, ℓ = 0, acc = 0. Each step reads one "
-            "tile of keys and values and updates these three."
+            f"Nothing seen yet: {m} = −∞, ℓ = 0, acc = 0. Each step reads "
+            "one tile of keys and values and updates these three."
         )
     if step.kind == "skipped":
         return (
@@ -261,33 +334,45 @@ def _say(steps: list[Step], number: int) -> str:
             "loads them, and the state stays as it was."
         )
     if step.kind == "finish":
-        lse = _number(step.m + math.log(step.ell))
+        lse = step.m + math.log(step.ell)
+        kept = (
+            f"the logsumexp in base 2, m₂ + log₂ ℓ = {_number(lse * LOG2E)}, "
+            f"divided by log₂e is the natural one, {_number(lse)}, which is "
+            "kept for the backward pass."
+            if view.base2
+            else f"the logsumexp m + log ℓ = {_number(lse)} is kept for the "
+            "backward pass."
+        )
         return (
             "After the last tile, one division gives the output, out = acc "
-            f"/ ℓ, and the logsumexp m + log ℓ = {lse} is kept for the "
-            "backward pass."
+            f"/ ℓ, and {kept}"
         )
     top = float(np.max(step.scores))
     masked = int(np.isinf(step.scores).sum())
+    old, new = view.m(before), view.m(step)
     text = f"Keys {first} to {stop - 1}"
     if masked:
         text += f" ({masked} masked: after the query's position)"
     if math.isinf(before.m):
         text += (
-            f": the first tile. m = {_number(step.m)}, its largest score, "
-            "and α = 0: there was nothing to rescale."
+            f": the first tile. {m} = {new}, its largest score, and α = "
+            f"{view.alpha('−∞', new)} = 0: before it {m} was −∞ and nothing "
+            "had been summed (ℓ = 0, acc = 0), so α has only zeros to "
+            "rescale."
         )
     elif top > before.m:
         text += (
-            f": the largest score, {_number(top)}, is above m = "
-            f"{_number(before.m)}, so m rises and the old ℓ and acc are "
-            f"multiplied by α = exp({_number(before.m)} − {_number(step.m)})"
-            f" = {_number(step.alpha)} before the tile's terms are added."
+            f": the largest score, {_number(top * view.factor)}, is above "
+            f"{m} = {old}, so {m} rises and the old ℓ and acc are multiplied "
+            "by α = "
+            f"{view.alpha(old, new)} = {_number(step.alpha)} before the "
+            "tile's terms are added."
         )
     else:
+        exp = "2^(s₂ − m₂)" if view.base2 else "exp(s − m)"
         text += (
-            f": no score is above m = {_number(before.m)}, so m stays, α = "
-            "1, and the tile's terms exp(s − m) are added."
+            f": no score is above {m} = {old}, so {m} stays, α = 1, and the "
+            f"tile's terms {exp} are added."
         )
     return text
 
@@ -308,12 +393,14 @@ def _style(uid: str, count: int) -> str:
         f"{scope} .k{{display:inline-block;height:18px;flex:1 1 0;"
         "min-width:4px;background:#eee}",
         f"{scope} .k.edge{{margin-left:4px}}",
+        f"{scope} .k.ahead{{box-shadow:inset 0 0 0 1px #bbb}}",
         f"{scope} .k.seen{{background:#4c72b0}}",
         f"{scope} .k.now{{background:#dd8452}}",
         f"{scope} .k.masked{{background:#c44e52}}",
         f"{scope} .k.skipped{{background:#bbb;background-image:"
         "repeating-linear-gradient(45deg,#fff 0 2px,#bbb 2px 5px)}",
-        f"{scope} .mha-os-legend,{scope} .mha-os-what{{font-size:0.85em}}",
+        f"{scope} .mha-os-legend,{scope} .mha-os-what,"
+        f"{scope} .mha-os-units{{font-size:0.85em}}",
         f"{scope} .mha-os-legend .k{{width:12px;height:12px;flex:none;"
         "vertical-align:middle;margin:0 3px 0 8px}",
         f"{scope} table{{font-family:var(--pst-font-family-monospace,"
