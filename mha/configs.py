@@ -80,9 +80,11 @@ class ModelConfig:
     (Qwen3). ``windows``: per layer, the sliding window or None.
     ``sliding_window``: the window of the layers that have one.
     ``eos_token_ids``: the ids that end a row. ``sinks``: a learned sink
-    logit per head (gpt-oss). The model's own fields
-    (``vocab_size``, ``intermediate_size``, ``num_hidden_layers``) are None
-    where a configuration for one layer leaves them out.
+    logit per head (gpt-oss). ``max_position_embeddings``: the longest
+    sequence (prompt and new tokens) generation accepts, or None. The
+    model's own fields (``vocab_size``, ``intermediate_size``,
+    ``num_hidden_layers``) are None where a configuration for one layer
+    leaves them out.
     """
 
     model_type: str
@@ -106,6 +108,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     sinks: bool = False
+    max_position_embeddings: int | None = None
 
     def require(self, *names: str) -> None:
         """Raise ValueError naming the first of ``names`` that is None."""
@@ -161,6 +164,9 @@ def read_config(config: object, *, layer: bool = False) -> ModelConfig:
         eos_token_ids=_eos(fields.get("eos_token_id")),
         pad_token_id=_optional_int(fields, "pad_token_id", minimum=0),
         sinks=model_type == "gpt_oss",
+        max_position_embeddings=_optional_int(
+            fields, "max_position_embeddings"
+        ),
     )
 
 

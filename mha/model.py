@@ -35,6 +35,7 @@ from .functional import (
 from .positions import rope_cos_sin, rotate_pairs
 
 __all__ = ["RMSNorm", "MLP", "Attention", "DecoderLayer", "CausalLM", "sample"]
+__all__ += ["check_context"]
 
 
 class RMSNorm(nn.Module):
@@ -418,6 +419,7 @@ class CausalLM(nn.Module):
         check_int("max_new_tokens", max_new_tokens)
         self._check_forward(input_ids, None, None)
         B, T = input_ids.shape
+        check_context(T, max_new_tokens, self.config)
         if attention_mask is not None:
             _check_attention_mask(attention_mask, B, T, 0, None)
             if not bool(attention_mask[:, -1].all()):
@@ -449,6 +451,19 @@ def sample(
         scores = scores.masked_fill(drop.scatter(1, order, drop), -torch.inf)
     probabilities = scores.softmax(dim=-1)
     return torch.multinomial(probabilities, 1, generator=generator)[:, 0]
+
+
+def check_context(prompt: int, new_tokens: int, config: ModelConfig) -> None:
+    """Refuse a prompt, or a prompt and its new tokens, longer than the
+    config's ``max_position_embeddings`` (the positions it was trained on),
+    naming the lengths."""
+    most = config.max_position_embeddings
+    if most is not None and prompt + new_tokens > most:
+        raise ValueError(
+            f"the prompt ({prompt} tokens) and max_new_tokens ({new_tokens})"
+            f" must fit max_position_embeddings = {most}, got "
+            f"{prompt + new_tokens} positions"
+        )
 
 
 def _check_sampling(do_sample, temperature, top_k, top_p) -> bool:

@@ -541,3 +541,19 @@ def test_every_entry_of_the_model_benchmark_generates_transformers_tokens() -> N
             continue
         runner = build_runner(MODEL_IMPLEMENTATIONS, name, ids.float(), theirs, ids)
         assert torch.equal(runner(), expected), name
+
+
+def test_a_prompt_past_max_position_embeddings_is_refused_by_name() -> None:
+    # The config says 256 positions (SMALL): a prompt of 250 and 7 new tokens need 257.
+    from mha import Engine
+
+    model = ours("sdpa", "float32")
+    ids = torch.ones(1, 250, dtype=torch.int64)
+    words = r"max_position_embeddings = 256, got 257 positions"
+    with pytest.raises(ValueError, match=words):
+        model.generate(ids, 7)
+    assert model.generate(ids, 6).shape == (1, 256)  # 256 fit
+    engine = Engine(model, num_blocks=40, block_size=16, max_num_batched_tokens=256)
+    with pytest.raises(ValueError, match=words):
+        engine.add_request([1] * 250, 7)
+    assert not engine.requests  # nothing half-added

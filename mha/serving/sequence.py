@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._validate import check_float, check_int
+from ..model import check_context
 
 __all__ = ["Status", "Sequence", "SAMPLING"]
 
@@ -81,6 +82,7 @@ class Sequence:
                 f"{' ...' if len(prompt) > 8 else ''}"
             )
         check_int("max_new_tokens", max_new_tokens)
+        check_context(len(prompt), max_new_tokens, config)
         unknown = set(sampling) - set(SAMPLING)
         if unknown:
             raise ValueError(f"sampling takes {SAMPLING}, got {unknown}")
