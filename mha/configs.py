@@ -44,8 +44,47 @@ INERT_FIELDS = frozenset(
     "id2label initializer_range is_encoder_decoder label2id "
     "output_attentions output_hidden_states problem_type "
     "return_dict tokenizer_class torch_dtype transformers_version use_cache "
-    "max_window_layers use_sliding_window model_type".split()
+    "max_window_layers use_sliding_window model_type is_llama_config".split()
 )
+
+#: What each family's configuration class holds for a field that changes
+#: the computation when a config.json leaves it out: transformers' own
+#: defaults (the tests compare them with its classes), read where
+#: transformers is not installed; where it is, its class fills them in.
+#: ``head_dim`` None: hidden_size / num_attention_heads; a
+#: ``num_key_value_heads`` of None: as many as query heads.
+FAMILY_DEFAULTS = {
+    "llama": dict(
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048,
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        eos_token_id=2, pad_token_id=None, head_dim=None, hidden_act="silu",
+        attention_dropout=0.0, intermediate_size=11008, vocab_size=32000,
+        num_hidden_layers=32, num_key_value_heads=None,
+    ),
+    "mistral": dict(
+        rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=131072, tie_word_embeddings=False,
+        eos_token_id=2, pad_token_id=None, head_dim=None, hidden_act="silu",
+        attention_dropout=0.0, intermediate_size=14336, vocab_size=32000,
+        num_hidden_layers=32, num_key_value_heads=8, sliding_window=4096,
+    ),
+    "qwen2": dict(
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768,
+        tie_word_embeddings=False, eos_token_id=None, pad_token_id=None,
+        head_dim=None, hidden_act="silu", attention_dropout=0.0,
+        intermediate_size=22016, vocab_size=151936, num_hidden_layers=32,
+        num_key_value_heads=32, sliding_window=4096,
+        use_sliding_window=False, max_window_layers=28,
+    ),
+    "qwen3": dict(
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768,
+        tie_word_embeddings=False, attention_bias=False, eos_token_id=None,
+        pad_token_id=None, head_dim=128, hidden_act="silu",
+        attention_dropout=0.0, intermediate_size=22016, vocab_size=151936,
+        num_hidden_layers=32, num_key_value_heads=32, sliding_window=4096,
+        use_sliding_window=False, max_window_layers=28,
+    ),
+}  # fmt: skip
 
 #: Fields read (and implemented).
 READ_FIELDS = frozenset(
@@ -171,8 +210,8 @@ def read_config(config: object, *, layer: bool = False) -> ModelConfig:
 
 
 def _as_dict(config: object) -> dict:
-    if isinstance(config, Mapping):
-        return dict(config)
+    if isinstance(config, Mapping):  # a config.json: the family's defaults
+        return _with_defaults(dict(config))
     if hasattr(config, "to_dict"):  # a transformers PreTrainedConfig
         return config.to_dict()
     if hasattr(config, "__dict__"):
@@ -181,6 +220,45 @@ def _as_dict(config: object) -> dict:
         "config must be a transformers configuration, a dict or an object "
         f"with its fields, got {type(config).__name__}"
     )
+
+
+def _with_defaults(fields: dict) -> dict:
+    """A config.json's fields as transformers reads them: through its
+    family's configuration class where transformers is installed (its
+    defaults, and what its ``__init__`` derives, such as ``layer_types``),
+    else with :data:`FAMILY_DEFAULTS` for the fields left out."""
+    if any(
+        fields.get(k) is None for k in ("hidden_size", "num_attention_heads")
+    ):
+        return fields  # the shape is never a default: refused by name below
+    model_type = fields.get("model_type") or "llama"
+    AutoConfig = _auto_config()
+    if AutoConfig is not None and model_type in MODEL_TYPES:
+        given = {k: v for k, v in fields.items() if k != "model_type"}
+        try:
+            return AutoConfig.for_model(model_type, **given).to_dict()
+        except Exception:  # noqa: BLE001 - its class refused it: ours names why
+            pass
+    defaults = dict(FAMILY_DEFAULTS.get(model_type, {}))
+    theta = defaults.pop("rope_theta", None)
+    if theta is not None and not (
+        fields.get("rope_parameters") or fields.get("rope_scaling")
+    ):
+        defaults["rope_theta"] = theta
+    if defaults.get("num_key_value_heads") is None:
+        defaults.pop("num_key_value_heads", None)  # as many as query heads
+    if defaults.get("head_dim") is None:
+        defaults.pop("head_dim", None)  # hidden_size / num_attention_heads
+    return {**defaults, **fields}
+
+
+def _auto_config():
+    """transformers' ``AutoConfig``, or None where it is not installed."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        return None
+    return AutoConfig
 
 
 def _refuse_unknown(fields: dict, model_type: str, layer: bool) -> None:

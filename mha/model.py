@@ -215,6 +215,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(D, V, bias=False, **factory)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+            self.register_load_state_dict_pre_hook(_tied_head)
 
     @classmethod
     def from_config(
@@ -451,6 +452,17 @@ def sample(
         scores = scores.masked_fill(drop.scatter(1, order, drop), -torch.inf)
     probabilities = scores.softmax(dim=-1)
     return torch.multinomial(probabilities, 1, generator=generator)[:, 0]
+
+
+def _tied_head(module, state_dict, prefix, *args) -> None:
+    """A tied checkpoint as ``save_pretrained`` writes it has no
+    ``lm_head.weight`` (it is the embeddings): load it from those."""
+    head, embeddings = (
+        prefix + "lm_head.weight",
+        prefix + "model.embed_tokens.weight",
+    )
+    if head not in state_dict and embeddings in state_dict:
+        state_dict[head] = state_dict[embeddings]
 
 
 def check_context(prompt: int, new_tokens: int, config: ModelConfig) -> None:

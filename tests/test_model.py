@@ -557,3 +557,21 @@ def test_a_prompt_past_max_position_embeddings_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=words):
         engine.add_request([1] * 250, 7)
     assert not engine.requests  # nothing half-added
+
+
+def test_a_tied_checkpoint_without_its_head_loads_strictly() -> None:
+    # save_pretrained leaves out lm_head.weight when it is tied to the embeddings (Llama-3.2-1B,
+    # Qwen2.5-0.5B, SmolLM2): the checkpoint loads strictly, the head being the embeddings.
+    config = LlamaConfig(**SMALL, tie_word_embeddings=True)
+    torch.manual_seed(5)
+    theirs = LlamaForCausalLM(config).eval()
+    checkpoint = {k: v for k, v in theirs.state_dict().items() if k != "lm_head.weight"}
+    model = CausalLM.from_config(config).eval()
+    model.load_state_dict(checkpoint)  # strict
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), theirs(ids).logits, rtol=1e-4, atol=1e-4)
+    untied = CausalLM.from_config(LlamaConfig(**SMALL))
+    with pytest.raises(RuntimeError, match="lm_head.weight"):  # its own head: still required
+        untied.load_state_dict(checkpoint)
