@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._validate import check_choice, check_float, check_int, check_tensor
+from ._validate import check_choice, check_int, check_tensor
 from .backends import Masking, attend, get_backend
 from .caches import Cache, KVCache, PagedKVCache, cached_so_far
 from .configs import ModelConfig, read_config
@@ -33,9 +33,10 @@ from .functional import (
     split_heads,
 )
 from .positions import rope_cos_sin, rotate_pairs
+from .sampling import Sampling, sample
 
-__all__ = ["RMSNorm", "MLP", "Attention", "DecoderLayer", "CausalLM", "sample"]
-__all__ += ["check_context"]
+__all__ = ["RMSNorm", "MLP", "Attention", "DecoderLayer", "CausalLM"]
+__all__ += ["sample", "check_context"]
 
 
 class RMSNorm(nn.Module):
@@ -314,26 +315,35 @@ class CausalLM(nn.Module):
         max_new_tokens: int,
         attention_mask: Tensor | None = None,
         cache: str = "static",
-        do_sample: bool = False,
-        temperature: float = 1.0,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
         generator: torch.Generator | None = None,
+        **settings,
     ) -> Tensor:
         """Prompt and new tokens, (B, T + new), as transformers' generate.
 
-        Greedy (``do_sample=False``) or sampled: logits divided by
-        ``temperature``, cut to the ``top_k`` likeliest tokens, then to the
-        fewest whose probabilities sum to ``top_p`` (transformers' order),
-        drawn with ``generator``. ``attention_mask`` (B, T): 0 at the pads
-        of a left-padded batch (each row's positions then count from its
-        first token). A row that has produced one of the config's
-        ``eos_token_id`` continues with the pad token (``pad_token_id``, or
-        the first eos); generation stops when every row has, so ``new`` may
-        be less than ``max_new_tokens``.
+        The next token as :class:`mha.sampling.Sampling` chooses it:
+        greedy, or sampled (``do_sample=True``) with transformers' warpers
+        and defaults (``top_k`` 50 unless given; 0 switches it off, as
+        ``top_p=1.0`` does), drawn with ``generator``; ``settings``:
+        ``min_p``, ``repetition_penalty``, ``min_new_tokens``,
+        ``eos_token_id``, ``pad_token_id`` and ``generation_config`` (a
+        generation_config.json dict, whose values stand where an argument
+        is not given). ``attention_mask`` (B, T): 0 at the pads of a
+        left-padded batch (each row's positions then count from its first
+        token). A row that has produced a stop token (the config's
+        ``eos_token_id`` unless given) continues with the pad token
+        (``pad_token_id``, or the first stop token); generation stops when
+        every row has, so ``new`` may be less than ``max_new_tokens``.
         """
         B, T = self._check_generate(input_ids, max_new_tokens, attention_mask)
-        sampling = _check_sampling(do_sample, temperature, top_k, top_p)
+        chooser = Sampling.resolve(
+            self.config, settings.pop("generation_config", None),
+            do_sample=do_sample, temperature=temperature, top_k=top_k,
+            top_p=top_p, generator=generator, **settings,
+        )  # fmt: skip
         device = input_ids.device
         caches = self.new_caches(B, T + max_new_tokens, kind=cache)
         mask = torch.ones(
@@ -342,18 +352,14 @@ class CausalLM(nn.Module):
         if attention_mask is not None:
             mask[:, :T] = attention_mask.to(torch.bool)
         positions = (mask[:, :T].cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
-        eos = torch.tensor(self.config.eos_token_ids, device=device)
-        pad = self.config.pad_token_id
+        eos = torch.tensor(chooser.eos_token_ids, device=device)
+        pad = chooser.pad_token_id
         pad = eos[0] if pad is None and len(eos) else (pad or 0)
         done = torch.zeros(B, dtype=torch.bool, device=device)
         tokens, new = input_ids, input_ids
         for step in range(max_new_tokens):
             logits = self(new, mask[:, : T + step], positions, caches, 1)
-            scores = logits[:, -1].float()  # (B, V)
-            if sampling:
-                chosen = sample(scores, temperature, top_k, top_p, generator)
-            else:
-                chosen = scores.argmax(dim=-1)  # (B,)
+            chosen = chooser.choose(logits[:, -1], tokens, step)  # (B,)
             chosen = torch.where(done, pad, chosen)
             done = done | torch.isin(chosen, eos)
             tokens = torch.cat((tokens, chosen[:, None]), dim=1)
@@ -431,36 +437,11 @@ class CausalLM(nn.Module):
         return B, T
 
 
-def sample(
-    scores: Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """One token per row of ``scores`` (B, V): transformers' warpers in its
-    order (temperature, top-k, top-p), then a draw from the softmax."""
-    scores = scores / temperature
-    if top_k is not None and top_k < scores.shape[-1]:
-        kth = scores.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
-        scores = scores.masked_fill(scores < kth, -torch.inf)
-    if top_p is not None and top_p < 1.0:
-        ascending, order = scores.sort(dim=-1)  # (B, V)
-        mass = ascending.softmax(dim=-1).cumsum(dim=-1)
-        drop = mass <= 1 - top_p  # the unlikeliest tokens, mass 1 - top_p
-        drop[:, -1] = False  # keep at least the likeliest
-        scores = scores.masked_fill(drop.scatter(1, order, drop), -torch.inf)
-    probabilities = scores.softmax(dim=-1)
-    return torch.multinomial(probabilities, 1, generator=generator)[:, 0]
-
-
 def _tied_head(module, state_dict, prefix, *args) -> None:
     """A tied checkpoint as ``save_pretrained`` writes it has no
     ``lm_head.weight`` (it is the embeddings): load it from those."""
-    head, embeddings = (
-        prefix + "lm_head.weight",
-        prefix + "model.embed_tokens.weight",
-    )
+    head = prefix + "lm_head.weight"
+    embeddings = prefix + "model.embed_tokens.weight"
     if head not in state_dict and embeddings in state_dict:
         state_dict[head] = state_dict[embeddings]
 
@@ -476,17 +457,6 @@ def check_context(prompt: int, new_tokens: int, config: ModelConfig) -> None:
             f" must fit max_position_embeddings = {most}, got "
             f"{prompt + new_tokens} positions"
         )
-
-
-def _check_sampling(do_sample, temperature, top_k, top_p) -> bool:
-    if not isinstance(do_sample, bool):
-        raise TypeError(f"do_sample must be a bool, got {do_sample!r}")
-    check_float("temperature", temperature)
-    if top_k is not None:
-        check_int("top_k", top_k)
-    if top_p is not None and not 0.0 < float(top_p) <= 1.0:
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
-    return do_sample
 
 
 def _check_attention_mask(

@@ -19,7 +19,7 @@ import torch
 from .._validate import check_int
 from ..backends import get_backend
 from ..blocks import BlockAllocator
-from ..model import CausalLM, sample
+from ..model import CausalLM
 from .batch import StepPlan
 from .layer import PagedLayer
 from .scheduler import Scheduler
@@ -82,8 +82,9 @@ class Engine:
     def add_request(self, prompt_ids, max_new_tokens: int, **sampling) -> int:
         """Queue ``prompt_ids`` (a list or 1-D tensor of token ids) for at
         most ``max_new_tokens`` new tokens; returns its id. ``sampling``:
-        ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``generator``
-        as :meth:`mha.CausalLM.generate` takes them (greedy by default)."""
+        the settings :meth:`mha.CausalLM.generate` takes (greedy by
+        default; ``eos_token_id`` its own stop tokens), and ``ignore_eos``
+        (run to ``max_new_tokens``)."""
         seq = Sequence.request(
             prompt_ids, max_new_tokens, sampling, self.model.config
         )
@@ -123,12 +124,10 @@ class Engine:
         for (seq, count), scores in zip(batch, logits):
             if seq.num_computed + count < len(seq):
                 continue  # a prefill chunk that is not the last
-            s = seq.sampling
-            if s["do_sample"]:
-                token = sample(scores[None], s["temperature"], s["top_k"],
-                               s["top_p"], s["generator"])  # fmt: skip
-            else:
-                token = scores.argmax()
+            chooser, tokens = seq.sampling, None
+            if chooser.repetition_penalty != 1.0:  # every token so far
+                tokens = torch.tensor([seq.tokens], device=scores.device)
+            token = chooser.choose(scores[None], tokens, len(seq.generated))
             seq.append(int(token))
 
     def _count(self, decodes: int, tokens: int) -> None:

@@ -18,13 +18,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._validate import check_float, check_int
+from .._validate import check_int
 from ..model import check_context
+from ..sampling import SAMPLING_ARGUMENTS, Sampling
 
 __all__ = ["Status", "Sequence", "SAMPLING"]
 
-#: The sampling settings a request takes (:meth:`mha.CausalLM.generate`'s).
-SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "generator")
+#: The settings a request takes: :meth:`mha.CausalLM.generate`'s, and
+#: ``ignore_eos`` (vLLM's: run to ``max_new_tokens`` whatever is sampled).
+SAMPLING = (*SAMPLING_ARGUMENTS, "generation_config", "ignore_eos")
 
 _ids = itertools.count()
 
@@ -41,14 +43,14 @@ class Status(enum.Enum):
 class Sequence:
     """One request: ``prompt`` token ids, at most ``max_new_tokens`` more.
 
-    ``sampling``: keyword arguments of :func:`mha.model.sample` (``do_sample``,
-    ``temperature``, ``top_k``, ``top_p``, ``generator``); greedy when empty.
-    ``eos``: token ids that end it (the model config's).
+    ``sampling``: how it chooses its tokens (:class:`mha.sampling.Sampling`;
+    greedy by default). ``eos``: token ids that end it (its sampling's stop
+    tokens, none with ``ignore_eos``).
     """
 
     prompt: list[int]
     max_new_tokens: int
-    sampling: dict = field(default_factory=dict)
+    sampling: Sampling = field(default_factory=Sampling)
     eos: tuple[int, ...] = ()
     id: int = field(default_factory=lambda: next(_ids))
     tokens: list[int] = field(init=False)
@@ -83,20 +85,18 @@ class Sequence:
             )
         check_int("max_new_tokens", max_new_tokens)
         check_context(len(prompt), max_new_tokens, config)
+        sampling = dict(sampling)
         unknown = set(sampling) - set(SAMPLING)
         if unknown:
             raise ValueError(f"sampling takes {SAMPLING}, got {unknown}")
-        settings = dict(do_sample=False, temperature=1.0, top_k=None,
-                        top_p=None, generator=None) | sampling  # fmt: skip
-        if not isinstance(settings["do_sample"], bool):
-            raise TypeError(f"do_sample must be a bool, got {sampling}")
-        check_float("temperature", settings["temperature"])
-        if settings["top_k"] is not None:
-            check_int("top_k", settings["top_k"])
-        if settings["top_p"] is not None and not 0 < settings["top_p"] <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {sampling}")
-        eos = tuple(config.eos_token_ids)
-        return cls(prompt, max_new_tokens, settings, eos)
+        ignore_eos = sampling.pop("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {ignore_eos!r}")
+        chooser = Sampling.resolve(
+            config, sampling.pop("generation_config", None), **sampling
+        )
+        eos = () if ignore_eos else chooser.eos_token_ids
+        return cls(prompt, max_new_tokens, chooser, eos)
 
     def __len__(self) -> int:
         """Tokens so far: prompt and generated."""
