@@ -10,6 +10,7 @@ in each test from the block arithmetic, not read from the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -95,14 +96,18 @@ def test_every_request_equals_its_prompt_generated_alone(workload) -> None:
     prompts, new, arrivals, block_size, num_blocks, budget, caching = workload
     engine = Engine(tiny_model(), num_blocks=num_blocks, block_size=block_size,
                     max_num_batched_tokens=budget, prefix_caching=caching)  # fmt: skip
-    ids, step = {}, 0
+    ids, step, got, streamed = {}, 0, {}, {}
     while len(ids) < len(prompts) or engine.scheduler.has_work():
         for i, (prompt, m, at) in enumerate(zip(prompts, new, arrivals)):
             if at == step:  # requests arrive while others run
                 ids[i] = engine.add_request(list(prompt), m)
-        engine.step()
+        for output in engine.step():
+            streamed.setdefault(output.id, []).extend(output.new_tokens)
+            if output.finished:
+                got[output.id] = output.generated
         step += 1
-    got = engine.run()
+    assert streamed == got  # the stream adds up to each request's tokens
+    assert not engine.requests  # every finished request forgotten
     for i, prompt in enumerate(prompts):
         assert got[ids[i]] == alone(prompt, new[i]), (i, prompt)
     assert engine.stats.peak_blocks_in_use <= num_blocks
@@ -118,9 +123,9 @@ def test_a_shared_prefix_is_computed_once() -> None:
     for caching, reused in ((True, 8), (False, 0)):
         engine = Engine(tiny_model(), num_blocks=16, block_size=4, prefix_caching=caching)
         a = engine.add_request(first, 3)
-        engine.run()  # first done: its blocks are free, their hashes kept
+        got = engine.run()  # first done: its blocks are free, their hashes kept
         b = engine.add_request(second, 3)
-        got = engine.run()
+        got |= engine.run()
         assert engine.stats.prefix_tokens_reused == reused
         # prefill: 11 + 10 prompt tokens, less what was reused; decode: 2 + 2 tokens
         assert engine.stats.prefill_tokens == 21 - reused
@@ -150,9 +155,12 @@ def test_the_newest_request_is_preempted_and_recomputed() -> None:
     engine = Engine(tiny_model(eos=None), num_blocks=6, block_size=4, max_num_batched_tokens=64)
     a, b = engine.add_request(first, 8), engine.add_request(second, 8)
     finished = []
+    got = {}
     while engine.scheduler.has_work():
-        finished += engine.step()
-    got = engine.run()
+        for output in engine.step():
+            if output.finished:
+                finished.append(output.id)
+                got[output.id] = output.generated
     assert finished == [a, b]  # the newest was preempted, the oldest went on
     assert engine.stats.preemptions == 1
     assert engine.stats.peak_blocks_in_use == 6
@@ -364,3 +372,72 @@ def test_the_serve_benchmark_reports_every_entry() -> None:
     assert memory["static_batch_positions"] == 2 * longest
     assert memory["engine_peak_blocks"] <= serve.pool_blocks(work)
     assert "engine/one_by_one" in report["ratios"][0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine as a server: what run() returns, abort, the model's state, the backend chosen
+
+
+def test_run_returns_what_finished_in_that_call_and_forgets_it() -> None:
+    engine = Engine(tiny_model(eos=None), num_blocks=16, block_size=4)
+    a = engine.add_request([3, 4, 5], 2)
+    assert engine.run() == {a: alone((3, 4, 5), 2)}
+    b = engine.add_request([6, 7], 3)
+    assert engine.run() == {b: alone((6, 7), 3)}  # a was returned before: not again
+    assert engine.requests == {} and engine.run() == {}
+    assert engine.scheduler.blocks_in_use == 0
+
+
+def test_abort_drops_a_request_and_gives_its_blocks_back() -> None:
+    engine = Engine(tiny_model(eos=None), num_blocks=16, block_size=4)
+    a, b = engine.add_request([3, 4, 5, 6, 7], 6), engine.add_request([8, 9], 4)
+    engine.step()
+    engine.abort(a)  # running: its blocks go back
+    c = engine.add_request([10, 11, 12], 2)
+    engine.abort(c)  # still waiting
+    assert engine.run() == {b: alone((8, 9), 4)}
+    assert engine.scheduler.blocks_in_use == 0
+    with pytest.raises(ValueError, match="request_id must be a request in flight, got 0"):
+        engine.abort(a) if a == 0 else engine.abort(0)
+
+
+def test_the_models_train_or_eval_state_is_left_as_it_was() -> None:
+    model = tiny_model(eos=None)
+    model.train()
+    try:
+        engine = Engine(model, num_blocks=16, block_size=4)
+        assert model.training
+        i = engine.add_request([3, 4, 5], 2)
+        got = engine.run()
+        assert model.training
+    finally:
+        model.eval()
+    assert got[i] == alone((3, 4, 5), 2)
+
+
+@pytest.mark.parametrize("backend", ["eager", "tiled", "flex"])
+def test_a_backend_without_a_paged_kernel_serves_through_its_own_attention(
+    backend, monkeypatch
+) -> None:
+    # No paged kernel: the keys are gathered, and the backend chosen computes attention (counted
+    # here), never SDPA in its place; the tokens equal generating alone, in a sliding window too.
+    from mha import backends
+
+    calls = []
+    original = backends.BACKENDS[backend]
+    counted = dataclasses.replace(
+        original, function=lambda *a: calls.append(1) or original.function(*a)
+    )
+    monkeypatch.setitem(backends.BACKENDS, backend, counted)
+    model = tiny_model(eos=None)
+    model.set_attention_backend(backend)
+    try:
+        engine = Engine(model, num_blocks=24, block_size=4, max_num_batched_tokens=8)
+        prompts = [[3, 4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15]]
+        ids = [engine.add_request(p, 5) for p in prompts]
+        got = engine.run()
+    finally:
+        model.set_attention_backend("sdpa")
+    assert calls  # the backend's own function ran
+    for i, prompt in zip(ids, prompts):
+        assert got[i] == alone(tuple(prompt), 5), backend

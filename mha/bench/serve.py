@@ -124,12 +124,14 @@ def memory(model: CausalLM, work, budget: int) -> dict[str, Any]:
     the positions its running requests held then; what the others reserve;
     whether the engine's tokens equal one-by-one generate's."""
     server = new_engine(model, work, budget)
-    peak = (0, 0)
+    peak, finished = (0, 0), {}
     while server.scheduler.has_work():
-        server.step()
+        for output in server.step():
+            if output.finished:
+                finished[output.id] = output.generated
         held = sum(s.num_computed for s in server.scheduler.running)
         peak = max(peak, (server.scheduler.blocks_in_use, held))
-    got = list(server.run().values())  # in the order of the requests
+    got = [finished[i] for i in sorted(finished)]  # in the order of arrival
     device = model.lm_head.weight.device
     alone = [
         model.generate(torch.tensor([p], device=device), n)[0, len(p) :]

@@ -15,12 +15,13 @@ prefix cache) is :mod:`mha.blocks`, a floor below: the model's
 
 from __future__ import annotations
 
-from .engine import Engine, EngineStats
+from .engine import Engine, EngineStats, StepOutput
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
 __all__ = [
     "Engine",
+    "StepOutput",
     "EngineStats",
     "Scheduler",
     "Sequence",

@@ -75,25 +75,24 @@ class StepPlan:
              for first, end, seqs, lens in groups], block_size,
         )  # fmt: skip
 
-    def gather(self, group: int, window: int | None):
-        """Where group ``group``'s keys lie and what each query sees, for
-        attention over gathered keys: blocks (B, L) and slots (L,) of key
-        positions 0 .. L - 1, and the mask (B, 1, T_q, L), True = may
-        attend (causal, bottom-right to each length, within ``window``).
-        Made once per step and window, and shared by every layer."""
-        if (group, window) not in self._gathers:
+    def gather(self, group: int):
+        """Where group ``group``'s keys lie, for attention over gathered
+        keys, right-aligned so that every request's newest key is the last
+        (its queries the newest, as an attention backend takes them):
+        blocks and slots (B, L) of the L = longest length key positions,
+        and ``padding`` (B, L), False at the slots before a shorter
+        request's first key (a left-padded batch). Made once per step and
+        shared by every layer."""
+        if group not in self._gathers:
             first, end, table, lens = self.groups[group]
-            t_q = 1 if len(lens) > 1 else end - first
-            keys = torch.arange(int(lens.max()), device=lens.device)  # (L,)
-            own = lens[:, None] - t_q + torch.arange(t_q, device=lens.device)
-            distance = own[:, None, :, None] - keys  # (B, 1, T_q, L)
-            keep = distance >= 0
-            if window is not None:
-                keep &= distance < window
-            blocks = table[:, keys // self.block_size].long()  # (B, L)
-            slots = keys % self.block_size  # (L,)
-            self._gathers[group, window] = (blocks, slots, keep)
-        return self._gathers[group, window]
+            longest = int(lens.max())
+            keys = torch.arange(longest, device=lens.device)  # (L,)
+            at = keys - (longest - lens[:, None])  # (B, L): each position
+            padding = at >= 0
+            at = at.clamp(min=0)
+            blocks = table.gather(1, at // self.block_size).long()  # (B, L)
+            self._gathers[group] = (blocks, at % self.block_size, padding)
+        return self._gathers[group]
 
 
 def _decoding(seq) -> bool:

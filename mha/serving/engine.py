@@ -6,8 +6,11 @@ step's work (decode tokens and prefill chunks, :mod:`.scheduler`), lays it
 out as one row of tokens with each token's own position, runs the model once
 over it (every attention layer reading keys and values through the block
 tables, :mod:`.layer`), samples the next token of every request whose
-tokens are all computed, and frees the blocks of finished requests.
-:meth:`~Engine.run` steps until every request is done.
+tokens are all computed, frees the blocks of finished requests, and returns
+each request's new tokens (a stream). :meth:`~Engine.run` steps until every
+request is done and returns what finished; :meth:`~Engine.abort` drops a
+request. A finished request is forgotten once it has been returned, so a
+long-running engine holds only the requests in flight.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from .._validate import check_int
-from ..backends import get_backend
 from ..blocks import BlockAllocator
 from ..model import CausalLM
 from .batch import StepPlan
@@ -25,7 +27,19 @@ from .layer import PagedLayer
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
-__all__ = ["Engine", "EngineStats"]
+__all__ = ["Engine", "EngineStats", "StepOutput"]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step did for one request: its ``new_tokens`` (none for a
+    prefill chunk that is not its prompt's last), whether it ``finished``,
+    and every token it has ``generated``."""
+
+    id: int
+    new_tokens: list[int]
+    finished: bool
+    generated: list[int]
 
 
 @dataclass
@@ -62,17 +76,16 @@ class Engine:
         self.max_num_batched_tokens = check_int(
             "max_num_batched_tokens", max_num_batched_tokens
         )
-        self.model = model.eval()
+        self.model = model  # its train/eval state is the caller's
         self.allocator = BlockAllocator(
             num_blocks, block_size, prefix_caching=prefix_caching
         )
         self.scheduler = Scheduler(self.allocator, max_num_batched_tokens)
         attn, weight = model.model.layers[0].self_attn, model.lm_head.weight
-        attention = get_backend(model.attn_backend).paged
         self.layers = [
             PagedLayer(num_blocks, block_size, attn.num_kv_heads,
                        attn.head_dim, dtype=weight.dtype,
-                       device=weight.device, attention=attention)
+                       device=weight.device, backend=model.attn_backend)
             for _ in model.model.layers
         ]  # fmt: skip
         self.stats = EngineStats()
@@ -102,8 +115,10 @@ class Engine:
         return seq.id
 
     @torch.no_grad()
-    def step(self) -> list[int]:
-        """One forward over the scheduled tokens; ids finished by it."""
+    def step(self) -> list[StepOutput]:
+        """One forward over the scheduled tokens: a :class:`StepOutput` for
+        each request in it, in the step's order. The finished ones are
+        forgotten."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -112,15 +127,39 @@ class Engine:
         self.last_batch = [(seq.id, count) for seq, count in batch]
         for layer in self.layers:
             layer.plan = plan
-        logits = self.model(plan.ids, position_ids=plan.positions,
-                            caches=self.layers,
-                            logits_to_keep=plan.last)  # fmt: skip
-        self._sample(batch, logits[0].float())  # (requests, V)
-        done = self.scheduler.finish(batch)
+        training = self.model.training
+        self.model.eval()  # no dropout while serving; then as it was
+        try:
+            logits = self.model(plan.ids, position_ids=plan.positions,
+                                caches=self.layers,
+                                logits_to_keep=plan.last)  # fmt: skip
+        finally:
+            self.model.train(training)
+        new = self._sample(batch, logits[0].float())  # (requests, V)
+        self.scheduler.finish(batch)
         self._count(plan.decodes, plan.ids.shape[1])
-        return [seq.id for seq in done]
+        outputs = []
+        for seq, _ in batch:
+            finished = seq.status is Status.FINISHED
+            outputs.append(StepOutput(seq.id, new.get(seq.id, []), finished,
+                                      list(seq.generated)))  # fmt: skip
+            if finished:
+                self.requests.pop(seq.id, None)
+        return outputs
 
-    def _sample(self, batch, logits) -> None:
+    def abort(self, request_id: int) -> None:
+        """Drop a waiting or running request: its blocks go back, it is
+        forgotten. ValueError for an id not in flight."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            raise ValueError(
+                f"request_id must be a request in flight, got {request_id!r}"
+                f" (in flight: {sorted(self.requests)})"
+            )
+        self.scheduler.abort(seq)
+
+    def _sample(self, batch, logits) -> dict[int, list[int]]:
+        new = {}
         for (seq, count), scores in zip(batch, logits):
             if seq.num_computed + count < len(seq):
                 continue  # a prefill chunk that is not the last
@@ -129,6 +168,8 @@ class Engine:
                 tokens = torch.tensor([seq.tokens], device=scores.device)
             token = chooser.choose(scores[None], tokens, len(seq.generated))
             seq.append(int(token))
+            new[seq.id] = [int(token)]
+        return new
 
     def _count(self, decodes: int, tokens: int) -> None:
         stats, scheduler = self.stats, self.scheduler
@@ -140,8 +181,12 @@ class Engine:
         stats.peak_blocks_in_use = scheduler.peak_blocks
 
     def run(self) -> dict[int, list[int]]:
-        """Step until every request is done; {id: generated token ids}."""
+        """Step until every request is done; {id: generated token ids} of
+        the requests that finished in this call, in the order of their
+        ids (of their arrival)."""
+        done = {}
         while self.scheduler.has_work():
-            self.step()
-        return {i: seq.generated for i, seq in self.requests.items()
-                if seq.status is Status.FINISHED}  # fmt: skip
+            for output in self.step():
+                if output.finished:
+                    done[output.id] = output.generated
+        return dict(sorted(done.items()))

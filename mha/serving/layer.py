@@ -6,19 +6,19 @@ request through their block tables. The model's attention layer calls
 :meth:`PagedLayer.attend` in place of a cache's ``update``
 (:mod:`mha.model`): it writes the step's new keys and values into their
 slots and computes attention for each group of the step's
-:class:`~mha.serving.batch.StepPlan`. With the backend's paged kernel
-(``triton``) the blocks are read where they lie and the new keys are the
-only bytes moved; otherwise each group's keys are gathered (the index and
-the mask made once per step, for every layer) and
-``F.scaled_dot_product_attention`` takes them.
+:class:`~mha.serving.batch.StepPlan` by the model's backend. With a paged
+kernel (``triton``) the blocks are read where they lie and the new keys are
+the only bytes moved; any other backend gets each group's keys gathered
+(right-aligned, the index made once per step for every layer) and computes
+attention its own way (:func:`mha.backends.attend`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from ..backends import Masking, attend, get_backend
 from .batch import StepPlan
 
 __all__ = ["PagedLayer"]
@@ -31,11 +31,11 @@ class PagedLayer:
     seen = 0  # each token's position comes with the step (position_ids)
 
     def __init__(self, num_blocks, block_size, num_kv_heads, head_dim,
-                 *, dtype, device, attention) -> None:  # fmt: skip
+                 *, dtype, device, backend) -> None:  # fmt: skip
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_pool = torch.zeros(shape, dtype=dtype, device=device)
         self.v_pool = torch.zeros(shape, dtype=dtype, device=device)
-        self.attention = attention  # a paged kernel, or None: gathered
+        self.backend = backend  # its paged kernel, or keys gathered for it
         self.plan: StepPlan | None = None
 
     def check_update(self, batch, num_kv_heads, new_tokens, head_dim,
@@ -63,15 +63,15 @@ class PagedLayer:
                 rows = q[0, :, first:end].transpose(0, 1)[:, :, None]
             else:  # a chunk of one request
                 rows = q[:, :, first:end]  # (1, H, T_q, d_k)
-            if self.attention is None:  # keys gathered, then SDPA
-                blocks, slots, keep = plan.gather(len(parts), window)
+            kernel = get_backend(self.backend).paged
+            if kernel is None:  # keys gathered, then the backend's own
+                blocks, slots, padding = plan.gather(len(parts))
                 k_rows = self.k_pool[blocks, slots].transpose(1, 2)
                 v_rows = self.v_pool[blocks, slots].transpose(1, 2)
-                out = F.scaled_dot_product_attention(
-                    rows, k_rows, v_rows, attn_mask=keep, enable_gqa=True
-                )  # (B, H, T_q, d_k)
+                masking = Masking(window=window, padding=padding)
+                out = attend(self.backend, rows, k_rows, v_rows, masking)
             else:  # a kernel that reads the blocks where they lie
-                out = self.attention(
+                out = kernel(
                     rows.contiguous(), self.k_pool, self.v_pool, table,
                     lens, key_start=None, window=window,
                 )  # fmt: skip

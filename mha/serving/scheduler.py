@@ -123,6 +123,15 @@ class Scheduler:
         self.preemptions += 1
         self.preempted_now += 1
 
+    def abort(self, seq: Sequence) -> None:
+        """Drop a waiting or running request; its blocks go back."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+
     def finish(self, batch: list[tuple[Sequence, int]]) -> list[Sequence]:
         """After the forward: count the computed tokens, hash full blocks,
         free the blocks of finished requests; returns those."""
