@@ -335,7 +335,8 @@ def triton(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     from . import kernels
 
     def run(q, k, v, causal, key_start):
-        if q.shape[2] == 1:  # a decoding step: the keys split across programs
+        if q.shape[2] == 1 and not _needs_grad(q, k, v):  # a decoding step:
+            # the keys split across programs (forward only)
             return kernels.triton_split_kv_attention(
                 q, k, v, causal=causal, key_start=key_start,
                 num_splits=2 if kernels.INTERPRETED else None,
@@ -345,6 +346,11 @@ def triton(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
         )
 
     return _sliced(run, q, k, v, masking)
+
+
+def _needs_grad(*tensors: Tensor) -> bool:
+    """Whether autograd will want the gradient of a result of these."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _sliced(run, q: Tensor, k: Tensor, v: Tensor, masking: Masking):

@@ -242,6 +242,7 @@ def triton_split_kv_attention(
         ModuleNotFoundError: Triton cannot be imported here.
     """
     _require_triton("triton_split_kv_attention")
+    _refuse_gradients("triton_split_kv_attention", q, k, v)
     from .attention import split_kv_forward
 
     out, _ = split_kv_forward(
@@ -281,6 +282,7 @@ def triton_paged_attention(
         ModuleNotFoundError: Triton cannot be imported here.
     """
     _require_triton("triton_paged_attention")
+    _refuse_gradients("triton_paged_attention", q, k_pool, v_pool)
     from .paged import triton_paged_attention as run
 
     return run(
@@ -337,6 +339,21 @@ def format_report(rows: list) -> str:
     from .report import format_report as table
 
     return table(rows)
+
+
+def _refuse_gradients(name: str, *tensors) -> None:
+    """A forward-only kernel under autograd: a ValueError, never a result
+    whose gradient would silently be missing."""
+    import torch
+
+    if torch.is_grad_enabled() and any(
+        getattr(t, "requires_grad", False) for t in tensors
+    ):
+        raise ValueError(
+            f"{name} is forward only (no gradient), and an input requires "
+            "grad: call it under torch.no_grad(), or use triton_attention, "
+            "which has a backward pass"
+        )
 
 
 def _require_triton(name: str) -> None:
