@@ -3,8 +3,10 @@
 The kernels run in Triton's interpreter where there is no GPU (mha.kernels chooses it), compiled
 on a GPU: their tensors are on KERNEL_DEVICE, and results are compared on the CPU. The right
 kernels: the book's (mha.kernels) and tests/learner_kernels.py's (exp2, its own launcher, other
-tiles); the mistakes: that kernel with one mistake switched on, and for the backward pass a torch
-autograd.Function whose backward ignores causal, as Triton's tutorial did (issue #4541).
+tiles; chapter 13's backward kernels and row softmax); the mistakes: those kernels with one
+mistake switched on, and for the backward pass a torch autograd.Function whose backward ignores
+causal, as Triton's tutorial did (issue #4541). Stores and loads outside a tensor (guard bands,
+mha.exercises.guard) are named, and the test process survives them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ pytestmark = [
 ]
 
 if kernels.TRITON_AVAILABLE:
-    from mha.exercises import failure
+    from mha.exercises import check_softmax, failure, guard
     from mha.exercises.kernel import (
         BACKWARD_ITEMS,
         FORWARD_ITEMS,
@@ -36,9 +38,16 @@ if kernels.TRITON_AVAILABLE:
     )
     from mha.kernels.attention import attention_forward
 
-    from learner_kernels import MISTAKES, learner_attention
+    from learner_kernels import (
+        BACKWARD_MISTAKES,
+        MISTAKES,
+        SOFTMAX_MISTAKES,
+        learner_attention,
+        learner_autograd,
+        learner_row_softmax,
+    )
 else:  # collected, then skipped
-    MISTAKES = ()
+    MISTAKES = BACKWARD_MISTAKES = SOFTMAX_MISTAKES = ()
 
 
 def book_forward(q, k, v, causal):
@@ -94,7 +103,7 @@ def test_the_books_kernel_passes_forward_and_backward(capsys):
     check_flash_attention(book_forward)
     printed = capsys.readouterr().out
     assert f"all {len(FORWARD_ITEMS)} items pass" in printed
-    assert "logsumexp was checked in items 1 to 8" in printed
+    assert f"logsumexp was checked in items 1 to {len(FORWARD_ITEMS)}" in printed
     assert check_flash_attention(book_autograd, backward=True, verbose=False) is None
 
 
@@ -116,6 +125,28 @@ NAMED = {
     "float16_acc": (1, "kept in float16"),
     "nan_empty_row": (7, "see no key are NaN"),
     "lse_base2": (1, "logsumexp is in base 2"),
+    "lse_mixed_units": (1, "logsumexp mixes log2 and natural units"),
+    "normalise_in_loop": (2, "acc was divided by ell inside the loop"),
+    # the last key row's padded dims: past the end of K (and of V), NaN there; named by the
+    # interpreter's check of each load (on a GPU: the NaN it reads, in out)
+    "kv_no_dims_mask": (
+        4,
+        "your kernel `learner_forward_kernel` read 24 values past the end of `K`, a (1, 1, 70, "
+        "40) tensor: indices 40 to 63 of its last row (a dimension of size 40, d). Mask the "
+        "load with the head-size bound (dims < HEAD_DIM); it went outside `V` too",
+    ),
+    "out_unmasked": (
+        1,
+        "wrote 256 values past the end of `Out`, a (1, 2, 16, 16) tensor: rows 16 to 31 of its "
+        "last (batch, head) (a dimension of size 16, T_q = T_k). Mask the store with the row "
+        "bound (rows < T_Q)",
+    ),
+    "lse_unmasked": (
+        1,
+        "wrote 16 values past the end of `Lse`, a (1, 2, 16) tensor: indices 16 to 31 of its "
+        "last row (a dimension of size 16, T_q). Mask the store with the row bound (rows < T_Q)",
+    ),
+    "no_contiguous": (9, "ignores the strides"),
 }
 
 
@@ -126,6 +157,9 @@ def test_every_mistake_has_a_test():
 @pytest.mark.parametrize("mistake", MISTAKES)
 def test_a_mistake_is_named(mistake):
     item, words = NAMED[mistake]
+    if mistake == "kv_no_dims_mask" and KERNEL_DEVICE != "cpu":
+        # a compiled kernel's loads are not checked one by one: the NaN past K's end shows
+        words = "out holds NaN (first at index (0, 0, 0, 0)). The checker puts NaN around"
     message = failure(check_flash_attention, functools.partial(learner_attention, mistake=mistake))
     total = len(FORWARD_ITEMS)
     assert message is not None and message.startswith(
@@ -195,6 +229,71 @@ class _BackwardIgnoresCausal(torch.autograd.Function):
         dk = ds.transpose(-1, -2) @ q * scale
         fold = lambda t: t.unflatten(1, (k.shape[1], group)).sum(2)  # noqa: E731
         return dq, fold(dk), fold(dv), None, None
+
+
+def test_the_chapters_backward_kernels_pass():
+    assert check_flash_attention(learner_autograd, backward=True, verbose=False) is None
+
+
+# backward mistake -> (the item that fails, words its message must hold), the items counted after
+# the forward's
+NAMED_BACKWARD = {
+    "no_delta": (1, "dq: delta was left out"),
+    "dq_no_scale": (1, "dq: dq was not multiplied by the scale"),
+    "exp2_natural_lse": (1, "rebuilt with exp2 against the natural logsumexp"),
+    "one_head_of_group": (3, "dk: dk and dv hold the gradient of one query head of each group"),
+    "b_kv_over_h": (4, "dk is right for batch 0 and wrong for batch 2"),
+    "dk_unmasked": (
+        1,
+        "your kernel `learner_dk_dv_kernel` wrote 1064 values past the end of `DK`, a (1, 2, "
+        "70, 40) tensor: rows 70 to 95 of its last (batch, head) (a dimension of size 70, T_k), "
+        "each wider than its 40 values. Mask the store with the key bound (cols < T_K) and the "
+        "head-size bound (dims < HEAD_DIM)",
+    ),
+    "dq_rows_only": (
+        1,
+        "your kernel `learner_dq_kernel` wrote 24 values past the end of `DQ`, a (1, 2, 45, 40) "
+        "tensor: indices 40 to 63 of its last row (a dimension of size 40, d). Mask the store "
+        "with the head-size bound (dims < HEAD_DIM)",
+    ),
+    "no_contiguous": (5, "ignores the strides"),
+}
+
+
+def test_every_backward_mistake_has_a_test():
+    assert set(NAMED_BACKWARD) == set(BACKWARD_MISTAKES)
+
+
+@pytest.mark.parametrize("mistake", BACKWARD_MISTAKES)
+def test_a_backward_mistake_is_named(mistake):
+    item, words = NAMED_BACKWARD[mistake]
+    fn = functools.partial(learner_autograd, mistake=mistake)
+    message = failure(check_flash_attention, fn, backward=True)
+    total = len(FORWARD_ITEMS) + len(BACKWARD_ITEMS)
+    assert message is not None and message.startswith(
+        f"check_flash_attention: item {len(FORWARD_ITEMS) + item} of {total} failed"
+    ), message
+    assert words in " ".join(message.split()), message
+
+
+def test_the_batch_mapping_bug_hides_until_batch_exceeds_the_group():
+    # b_kv // H is right while B <= H / H_kv: every backward case but one has B = 1
+    (title, (case,)) = BACKWARD_ITEMS[3]
+    group = case.heads // case.kv_heads
+    assert case.batch > group and "more batches (3) than query heads per group (2)" in title
+    assert all(c.batch <= c.heads // c.kv_heads for _, cases in BACKWARD_ITEMS[:3] for c in cases)
+
+
+def test_the_grids_hold_views_and_odd_head_sizes():
+    for items in (FORWARD_ITEMS, BACKWARD_ITEMS):
+        cases = [case for _, cases in items for case in cases]
+        views = [case for case in cases if case.layout == "views"]
+        # a transposed q or k with one head is contiguous in all but name
+        assert views and all(case.heads > 1 and case.kv_heads > 1 for case in views)
+        q, k, v = views[0].inputs(0)
+        assert not q.is_contiguous() and not k.is_contiguous() and v.is_contiguous()
+        assert not views[0].d_out(0).is_contiguous()
+        assert any(case.head_dim & (case.head_dim - 1) for case in cases)  # not a power of two
 
 
 @pytest.mark.parametrize("always_causal", [True, False])
@@ -293,3 +392,91 @@ def test_importing_the_checkers_imports_neither_torch_nor_triton():
 def test_fn_must_be_callable():
     with pytest.raises(TypeError, match="fn must be a function"):
         check_flash_attention("kernel")
+
+
+# ---------------------------------------------------------------------------------------------
+# Guard bands: stores and loads outside a tensor are named, and never end the process
+
+
+def test_the_rows_softmax_of_the_chapter_passes():
+    assert failure(check_softmax, learner_row_softmax, framework="torch") is None
+
+
+SOFTMAX_NAMED = {
+    "store_unmasked": "your kernel `learner_softmax_kernel` wrote 3 values past the end of `Y`, "
+    "a (3, 5) tensor: indices 5 to 7 of its last row (a dimension of size 5, n_cols). Mask the "
+    "store with the column bound (cols < n_cols)",
+    "store_far": "your kernel `learner_softmax_kernel` wrote to 10 addresses far outside every "
+    "tensor it was given (",
+}
+
+
+@pytest.mark.parametrize("mistake", SOFTMAX_MISTAKES)
+def test_a_softmax_kernel_out_of_bounds_is_named(mistake):
+    if mistake == "store_far" and KERNEL_DEVICE != "cpu":
+        pytest.skip("a compiled kernel's far store is an illegal memory access: CUDA's to report")
+    fn = functools.partial(learner_row_softmax, mistake=mistake)
+    message = failure(check_softmax, fn, framework="torch")
+    assert message is not None and message.startswith("check_softmax: item 1 of 8"), message
+    assert SOFTMAX_NAMED[mistake] in " ".join(message.split()), message
+
+
+def test_a_far_store_is_refused_before_it_happens():
+    if KERNEL_DEVICE != "cpu":
+        pytest.skip("the interpreter's loads and stores are checked; a GPU's are not")
+    x = torch.randn(3, 5, dtype=torch.float64)
+    with guard.guarded() as launches:
+        y = learner_row_softmax(x, mistake="store_far")  # rows 1 and 2: 1 TiB away
+    message = launches.message()
+    assert "wrote to 10 addresses far outside every tensor" in message, message
+    torch.testing.assert_close(y[0], torch.softmax(x[0], -1))  # row 0 was in place
+
+
+@pytest.mark.skipif(
+    KERNEL_DEVICE != "cpu", reason="the forked child stands in for the interpreter"
+)
+def test_where_the_interpreter_cannot_be_watched_a_crash_ends_a_child(monkeypatch):
+    monkeypatch.setattr(guard, "WATCH", False)  # as on a Triton without the hooks
+    fn = functools.partial(learner_row_softmax, mistake="store_far")
+    message = " ".join(failure(check_softmax, fn, framework="torch").split())
+    assert message.startswith("check_softmax: item 1 of 8 failed"), message
+    assert "your kernel crashed the process (SIGSEGV)" in message, message
+    assert "nothing of yours is lost" in message
+    # the guard bands alone still name a store past the end, and a right kernel passes
+    fn = functools.partial(learner_row_softmax, mistake="store_unmasked")
+    message = " ".join(failure(check_softmax, fn, framework="torch").split())
+    assert "wrote 3 values past the end of `Y`" in message, message
+    assert failure(check_softmax, learner_row_softmax, framework="torch") is None
+
+
+@pytest.mark.parametrize("mistake", ["out_unmasked", "kv_no_dims_mask"])
+def test_guard_bands_alone_name_a_store_and_make_a_read_nan(monkeypatch, mistake):
+    # what a GPU gets: no check of each load and store, the guard bands only
+    monkeypatch.setattr(guard, "WATCH", False)
+    monkeypatch.setattr(guard, "needs_child", lambda device: False)
+    message = " ".join(failure(check_flash_attention, functools.partial(
+        learner_attention, mistake=mistake)).split())  # fmt: skip
+    if mistake == "out_unmasked":
+        assert "wrote 256 values past the end of `Out`" in message, message
+    else:  # the last key's padded dims are NaN, and so is every score of the last head
+        assert message.startswith("check_flash_attention: item 4 of"), message
+        assert "out holds NaN" in message and "a load past the end of q, k, v" in message
+
+
+def test_the_guard_keeps_the_kernels_results_and_the_callers_tensors():
+    x = torch.randn(4, 6, device=KERNEL_DEVICE)
+    kept = x.clone()
+    with guard.guarded() as launches:
+        y = learner_row_softmax(x)
+    assert not launches and launches.message() is None
+    torch.testing.assert_close(y, torch.softmax(x, -1))
+    assert torch.equal(x, kept)
+
+
+def test_an_error_after_a_store_out_of_bounds_names_the_store():
+    def launch_then_fail(q, k, v, causal):
+        learner_attention(q, k, v, causal, mistake="lse_unmasked")
+        raise RuntimeError("a later error")
+
+    message = " ".join(failure(check_flash_attention, launch_then_fail).split())
+    assert "past the end of `Lse`" in message and "a later error" not in message, message

@@ -31,9 +31,15 @@ return must be on the device of your inputs. Masks are boolean, ``True`` =
 may attend, as everywhere in the package. :func:`failure` returns a
 checker's message instead of raising it.
 
+A Triton kernel your torch function launches gets its tensors inside guard
+bands (:mod:`.guard`): a store or load outside a tensor is named, with the
+tensor, the places and the mask that is missing, and never ends the Python
+process.
+
 The package's modules: :mod:`.checker` (the checklist, comparisons,
-messages), :mod:`.one_head`, :mod:`.many_heads`, :mod:`.masks_positions`
-and :mod:`.tiled` (the checkers of each part of the book).
+messages), :mod:`.guard` (guard bands around a kernel's tensors),
+:mod:`.one_head`, :mod:`.many_heads`, :mod:`.masks_positions`, :mod:`.tiled`
+and :mod:`.kernel` (the checkers of each part of the book).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ comparisons with the package's results, and the messages."""
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn
@@ -13,6 +14,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .._validate import check_choice
+from . import guard
 
 Array = NDArray[Any]
 # Two results agree when they differ by rounding only: float64 results to
@@ -48,6 +50,10 @@ class Failed(Exception):
         self.learner_frames = learner_frames
 
 
+class OutOfBounds(Failed):
+    """A learner's kernel read or wrote outside a tensor it was given."""
+
+
 class Checker:
     """Runs a learner's function through a checklist; one per ``check_*``."""
 
@@ -70,6 +76,9 @@ class Checker:
         # words of an error message -> what usually causes it
         self.error_hints = error_hints or {}
         self.items: list[tuple[str, Callable[[], None]]] = []
+        # (ndim, axis from the end, size) -> (what it is, the mask that
+        # keeps an index below it): the messages of a kernel out of bounds
+        self.bounds: guard.Bounds = {}
 
     def item(self, title: str) -> Callable:
         """Decorator: add the decorated function as the next item."""
@@ -90,6 +99,10 @@ class Checker:
         caller's arrays, on any device (from a GPU, copied back after the
         call). A tensor ``fn`` returns must be on the device of the tensors
         it got: :class:`Failed` says so otherwise.
+
+        With torch, every Triton kernel ``fn`` launches runs inside guard
+        bands (:mod:`.guard`): a load or store outside a tensor raises
+        :class:`OutOfBounds`, naming the tensor, the places and the mask.
         """
         moved: list[tuple[Array, Any]] = []  # (array, its tensor elsewhere)
 
@@ -102,12 +115,46 @@ class Checker:
         args = tuple(convert(a) for a in args)
         kwargs = {k: convert(a) for k, a in kwargs.items()}
         __tracebackhide__ = True  # IPython and pytest skip this frame
+        with self.guarded() as launches:
+            result = self._call(launches, args, kwargs)
+        for array, tensor in moved:  # in place, as from_numpy's memory is
+            array[...] = tensor.detach().cpu().numpy()
+        inputs = _tensor_device((*args, *kwargs.values()))
+        if inputs is not None:
+            _check_result_device(result, inputs)
+        return result
+
+    @contextmanager
+    def guarded(self) -> Iterator[Any]:
+        """Guard bands around the Triton launches inside (torch only); on
+        leaving, :class:`OutOfBounds` if a kernel went outside a tensor."""
+        __tracebackhide__ = True
+        if self.framework != "torch":
+            yield None
+            return
+        with guard.guarded(self.bounds) as launches:
+            try:
+                yield launches
+            except Failed:
+                raise
+            except Exception:  # out of bounds first: it may be the cause
+                if launches:
+                    raise OutOfBounds(launches.message()) from None
+                raise
+        message = launches.message()
+        if message:
+            raise OutOfBounds(message)
+
+    def _call(self, launches: Any, args: tuple, kwargs: dict) -> Any:
+        __tracebackhide__ = True
         try:
             # the checklist reports overflow and NaN; NumPy's warnings would
             # only repeat it
             with np.errstate(all="ignore"):
-                result = self.fn(*args, **kwargs)
+                return self.fn(*args, **kwargs)
         except Exception as error:  # the learner's error, reported as such
+            if launches:  # out of bounds first: it may have caused the error
+                raise OutOfBounds(launches.message()) from None
             shapes = ", ".join(describe(a) for a in args)
             hints = [
                 hint
@@ -133,17 +180,27 @@ class Checker:
                 if error.__traceback__
                 else None,
             ) from None
-        for array, tensor in moved:  # in place, as from_numpy's memory is
-            array[...] = tensor.detach().cpu().numpy()
-        inputs = _tensor_device((*args, *kwargs.values()))
-        if inputs is not None:
-            _check_result_device(result, inputs)
-        return result
 
     def run(self, verbose: bool) -> None:
-        """Run the items in order; the first that fails raises."""
+        """Run the items in order; the first that fails raises.
+
+        Where a learner's Triton kernel runs in an interpreter whose memory
+        accesses cannot be checked (:func:`.guard.needs_child`), the items
+        run first in a forked child: a kernel that crashes its process is
+        named, and the learner's process lives on (then they run here).
+        """
         __tracebackhide__ = True
         total = len(self.items)
+        if self.framework == "torch" and guard.needs_child(self.device):
+            outcome = guard.in_child([run for _, run in self.items])
+            if outcome.signal:
+                title = self.items[outcome.item - 1][0]
+                message = wrap(
+                    f"{self.name}: item {outcome.item} of {total} failed: "
+                    f"{title}.",
+                    guard.crash_message(outcome.signal),
+                )
+                report(CheckFailed(message), None)
         for number, (title, run) in enumerate(self.items, 1):
             try:
                 run()

@@ -7,8 +7,11 @@ otherwise), and returns ``out`` or ``(out, lse)`` on the same device. The
 checker runs a grid of shapes (key tiles enough for the running maximum to
 grow, lengths that are not multiples of a tile, causal with T_q < T_k,
 T_q = 1 and T_q > T_k, grouped and multi-query heads, head sizes 16 to
-128, odd ones too), compares with attention in float64 and,
-where a result equals a known mistake's, names the mistake.
+128, odd ones too, inputs that are views of (B, T, H, d) tensors), compares
+with attention in float64 and, where a result equals a known mistake's,
+names the mistake. With ``backward=True`` the gradients too, batch above
+H / H_kv included. Every tensor a Triton kernel gets lies between guard
+bands (:mod:`.guard`): a store or load outside it is named.
 
 The known mistakes are computed here in float64, from the same inputs: the
 *twins*. Those that depend on the learner's tiles (acc not rescaled, a key
@@ -28,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .checker import DEVICE_ERRORS, Checker, Failed
+from .checker import DEVICE_ERRORS, Checker, Failed, OutOfBounds
 
 __all__ = ["check_flash_attention", "TOLERANCE", "FORWARD_ITEMS"]
 
@@ -45,7 +48,8 @@ TILE_SIZES = (16, 32, 64, 128)
 
 @dataclass(frozen=True)
 class Case:
-    """One call: shapes, causal or not, and whether the keys' size rises."""
+    """One call: shapes, causal or not, whether the keys' size rises, and
+    the inputs' memory layout."""
 
     batch: int
     heads: int
@@ -55,23 +59,60 @@ class Case:
     head_dim: int
     causal: bool
     rising: bool = False  # keys grow along T_k: the running maximum grows
+    # "contiguous", or "views": q, k and d_out (B, H, T, d) views of
+    # (B, T, H, d) tensors, as split heads give them, v contiguous
+    layout: str = "contiguous"
 
     def inputs(self, seed: int) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v in float32, from a fixed seed."""
         gen = torch.Generator().manual_seed(seed)
         b, h, h_kv, d = self.batch, self.heads, self.kv_heads, self.head_dim
-        q = torch.randn(b, h, self.t_q, d, generator=gen)  # (B, H, T_q, d)
-        k = torch.randn(b, h_kv, self.t_k, d, generator=gen)  # (B, H_kv, ..)
+        if self.layout == "views":  # (B, T, H, d) -> (B, H, T, d) views
+            q = torch.randn(b, self.t_q, h, d, generator=gen).transpose(1, 2)
+            k = torch.randn(b, self.t_k, h_kv, d, generator=gen)
+            k = k.transpose(1, 2)
+        else:
+            q = torch.randn(b, h, self.t_q, d, generator=gen)  # (B, H, T_q, d)
+            k = torch.randn(b, h_kv, self.t_k, d, generator=gen)  # (B, H_kv..)
         v = torch.randn(b, h_kv, self.t_k, d, generator=gen)
         if self.rising:  # later keys larger: scores, and maxima, grow
             k = k * torch.linspace(0.5, 3.0, self.t_k)[:, None]
         return q, k, v
 
+    def d_out(self, seed: int) -> Tensor:
+        """The gradient the backward pass gets: float32 (B, H, T_q, d)."""
+        gen = torch.Generator().manual_seed(seed)
+        b, h, t_q, d = self.batch, self.heads, self.t_q, self.head_dim
+        if self.layout == "views":
+            return torch.randn(b, t_q, h, d, generator=gen).transpose(1, 2)
+        return torch.randn(b, h, t_q, d, generator=gen)
+
+    def bounds(self) -> dict[tuple[int, int, int], tuple[str, str]]:
+        """What each dimension of the kernels' tensors is, and the mask
+        that keeps an index below its size: (ndim, axis from the end,
+        size) -> (name, mask), for the messages of :mod:`.guard`."""
+        rows = (self.t_q, "T_q", "the row bound (rows < T_Q)")
+        keys = (self.t_k, "T_k", "the key bound (cols < T_K)")
+        head = (self.head_dim, "d", "the head-size bound (dims < HEAD_DIM)")
+        bounds: dict[tuple[int, int, int], tuple[str, str]] = {}
+        for key, (size, name, words) in (
+            ((4, -1), head),  # q, k, v, out, d_out, dq, dk, dv
+            ((4, -2), keys),
+            ((4, -2), rows),
+            ((3, -1), rows),  # lse, delta
+        ):
+            if (*key, size) in bounds:  # T_q = T_k: either
+                known = bounds[(*key, size)]
+                name, words = f"{name} = {known[0]}", f"{words} or {known[1]}"
+            bounds[(*key, size)] = (name, words)
+        return bounds
+
     def __str__(self) -> str:
+        views = ", q and k views of (B, T, H, d)"
         return (
             f"B={self.batch}, H={self.heads}, H_kv={self.kv_heads}, "
             f"T_q={self.t_q}, T_k={self.t_k}, d={self.head_dim}, "
-            f"causal={self.causal}"
+            f"causal={self.causal}" + (views if self.layout == "views" else "")
         )
 
 
@@ -106,6 +147,10 @@ FORWARD_ITEMS: tuple[tuple[str, tuple[Case, ...]], ...] = (
         "grouped heads: H = 4, H_kv = 2 (GQA) and H_kv = 1 (MQA)",
         (Case(2, 4, 2, 33, 65, 40, True), Case(1, 4, 1, 33, 65, 32, False)),
     ),
+    (
+        "inputs that are views: q and k transposed from (B, T, H, d)",
+        (Case(1, 4, 2, 37, 70, 24, True, layout="views"),),
+    ),
 )
 
 #: The backward checklist (``backward=True``): (title, cases).
@@ -121,6 +166,17 @@ BACKWARD_ITEMS: tuple[tuple[str, tuple[Case, ...]], ...] = (
     (
         "gradients with grouped heads: dk, dv summed over each group",
         (Case(1, 4, 2, 48, 48, 32, True),),
+    ),
+    (
+        "gradients with more batches (3) than query heads per group (2)",
+        (Case(3, 2, 1, 20, 35, 16, False),),
+    ),
+    (
+        "gradients of views (transposed q, k, d_out); head sizes 24 and 80",
+        (
+            Case(1, 4, 2, 20, 37, 24, True, layout="views"),
+            Case(1, 1, 1, 17, 30, 80, False),
+        ),
     ),
 )
 
@@ -147,11 +203,17 @@ def check_flash_attention(
     for the GPU, the CPU in its interpreter). ``out`` and ``lse`` must be on
     the device of q; the comparisons are made on the CPU, in float64.
 
-    Catches: acc and ell not rescaled when the running maximum grows; causal
-    aligned top-left; the key tail not masked; the GQA head map ``h % H_kv``;
-    no ``1/sqrt(d)``; exp2 without the log2(e) factor; a float16
-    accumulator; NaN on a fully masked row; the logsumexp in base 2; a
-    backward that ignores ``causal``.
+    Catches: acc and ell not rescaled when the running maximum grows; acc
+    divided by ell inside the loop; causal aligned top-left; the key tail
+    not masked; the GQA head map ``h % H_kv``; no ``1/sqrt(d)``; exp2
+    without the log2(e) factor; a float16 accumulator; NaN on a fully
+    masked row; the logsumexp in base 2 or mixing log2 and natural units;
+    strides ignored; a program on the wrong (batch, head). Backward: causal
+    ignored or aligned top-left; delta left out; dq's or dk's scale left
+    out; exp2 against the natural logsumexp; dk and dv of one query head
+    of a group. Every Triton kernel ``fn`` launches runs in guard bands
+    (:mod:`.guard`): a load or store outside a tensor is named with the
+    tensor, the places and the missing mask, and never ends the process.
 
     Returns None when every item passes (printing the checklist unless
     ``verbose=False``); raises ``AssertionError`` naming the item otherwise.
@@ -160,20 +222,20 @@ def check_flash_attention(
     device = checker.device
     returned_lse: list[bool] = []
 
-    def run(case: Case, seed: int) -> tuple[Tensor, Tensor | None, tuple]:
-        q, k, v = (t.to(device) for t in case.inputs(seed))
+    def forward(case: Case, seed: int, contiguous: bool = False) -> None:
+        q, k, v = (_placed(t, device, contiguous) for t in case.inputs(seed))
+        checker.bounds = case.bounds()
         result = checker.call(q, k, v, case.causal, copy=False)
         out, lse = _out_and_lse(result, case)
         returned_lse.append(lse is not None)
-        return out, lse, (q, k, v)
+        _check_forward(case, out, lse, (q, k, v))
 
     for number, (title, cases) in enumerate(FORWARD_ITEMS):
 
         @checker.item(title)
         def _(cases=cases, number=number) -> None:
             for index, case in enumerate(cases):
-                out, lse, inputs = run(case, seed=10 * number + index)
-                _check_forward(case, out, lse, inputs)
+                _strides_named(forward, case, 10 * number + index)
 
     if backward:
         for number, (title, cases) in enumerate(BACKWARD_ITEMS):
@@ -181,11 +243,54 @@ def check_flash_attention(
             @checker.item(title)
             def _(cases=cases, number=number) -> None:
                 for index, case in enumerate(cases):
-                    _check_backward(checker, case, 100 + 10 * number + index)
+                    seed = 100 + 10 * number + index
+
+                    def gradients(case, seed, contiguous=False):
+                        _check_backward(checker, case, seed, contiguous)
+
+                    _strides_named(gradients, case, seed)
 
     checker.run(verbose=False)
     if verbose:
         _print_checklist(checker, any(returned_lse), backward)
+
+
+def _placed(tensor: Tensor, device: Any, contiguous: bool) -> Tensor:
+    """``tensor`` on ``device``, its layout kept (or made contiguous)."""
+    if contiguous:
+        return tensor.to(device).contiguous()
+    placed = torch.empty_strided(
+        tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device
+    )
+    return placed.copy_(tensor)
+
+
+def _strides_named(check: Callable, case: Case, seed: int) -> None:
+    """``check(case, seed)``; where it fails on views and passes on the same
+    values in contiguous tensors, name the strides."""
+    try:
+        check(case, seed)
+    except OutOfBounds:
+        raise
+    except Failed:
+        if case.layout == "contiguous":
+            raise
+        try:
+            check(case, seed, contiguous=True)
+        except Failed:
+            pass
+        else:
+            raise Failed(
+                f"for {case}: the result is wrong, and right for the same "
+                "values in contiguous tensors: your launcher or kernel "
+                "ignores the strides. q and k (and d_out, in the backward "
+                "pass) are (B, H, T, d) views of (B, T, H, d) tensors here, "
+                "as split heads give them, and v is contiguous: pass each "
+                "tensor's own strides (q.stride(), k.stride(), v.stride(), "
+                "...), or make each one contiguous in the launcher (q = "
+                "q.contiguous(), ...)"
+            ) from None
+        raise
 
 
 def _print_checklist(checker: Checker, lse: bool, backward: bool) -> None:
@@ -256,7 +361,8 @@ def _check_forward(case: Case, out: Tensor, lse: Tensor | None, inputs):
             "float('-inf'), 0.0, m_new)) and divide by ell only where it is "
             "above 0, so that such a row gives 0"
         )
-    _compare(got, expected, where + "out", _forward_twins(case, q, k, v))
+    twins = _forward_twins(case, q, k, v)
+    _compare(got, expected, where + "out", twins, batched=True)
     if lse is None:
         return
     got_lse = lse.detach().cpu().double()
@@ -268,6 +374,8 @@ def _check_forward(case: Case, out: Tensor, lse: Tensor | None, inputs):
             "ell is 0"
         )
     seen = ~empty
+    row_max = _row_max(q, k, case)
+    log_ell = expected_lse - row_max  # log of ell, the sum of exp(s - m)
     _compare(
         got_lse[seen],
         expected_lse[seen],
@@ -278,10 +386,17 @@ def _check_forward(case: Case, out: Tensor, lse: Tensor | None, inputs):
             "of splits need the natural one; multiply by ln(2), or add "
             "tl.log(ell) to m / log2(e)": expected_lse[seen] * LOG2E,
             "the logsumexp is the running maximum m alone: add log(ell), "
-            "the log of the sum of exp(s - m)": _row_max(q, k, case)[seen],
+            "the log of the sum of exp(s - m)": row_max[seen],
             "the logsumexp is log(ell) alone: add the running maximum m": (
-                expected_lse - _row_max(q, k, case)
-            )[seen],
+                log_ell[seen]
+            ),
+            "the logsumexp mixes log2 and natural units: with exp2, m is in "
+            "log2 units (the scores times log2(e)) and so is log2(ell); the "
+            "natural logsumexp is (m + log2(ell)) * ln(2), not m + log(ell) "
+            "nor m * ln(2) + log2(ell)": (
+                (row_max * LOG2E + log_ell)[seen],  # m2 + ln(ell)
+                (row_max + log_ell * LOG2E)[seen],  # m2 ln 2 + log2(ell)
+            ),
         },
     )
 
@@ -305,6 +420,14 @@ def _forward_twins(case: Case, q, k, v) -> dict[str, Tensor | tuple]:
         "it": dense(q, k, v, causal=causal, scale=scale * LOG2E)[0],
         "the output was not divided by ell: after the last key tile, out = "
         "acc / ell": _tiled(q, k, v, case, None, divide=False)[0],
+        "acc was divided by ell inside the loop: a later tile rescales acc "
+        "by alpha only, so every earlier division stays in it; keep acc "
+        "unnormalised and divide once, after the last key tile (out = acc "
+        "/ ell)": tuple(
+            _tiled(q, k, v, case, size, divide_each=True, divide=divide)[0]
+            for size in TILE_SIZES
+            for divide in (False, True)
+        ),
     }
     if case.heads != case.kv_heads and case.kv_heads > 1:
         twins[
@@ -368,9 +491,15 @@ def _row_max(q, k, case: Case) -> Tensor:
 # The backward pass
 
 
-def _check_backward(checker: Checker, case: Case, seed: int) -> None:
+def _check_backward(
+    checker: Checker, case: Case, seed: int, contiguous: bool = False
+) -> None:
     device = checker.device
-    leaves = [t.to(device).requires_grad_() for t in case.inputs(seed)]
+    leaves = [
+        _placed(t, device, contiguous).requires_grad_()
+        for t in case.inputs(seed)
+    ]
+    checker.bounds = case.bounds()
     result = checker.call(*leaves, case.causal, copy=False)
     out, _ = _out_and_lse(result, case)
     where = f"for {case}: "
@@ -379,13 +508,12 @@ def _check_backward(checker: Checker, case: Case, seed: int) -> None:
             where + "out has no gradient: tie the forward and backward "
             "kernels together in a torch.autograd.Function"
         )
-    d_out = torch.randn(
-        out.shape, generator=torch.Generator().manual_seed(seed)
-    )
+    d_out = _placed(case.d_out(seed), device, contiguous)
     try:
-        grads = torch.autograd.grad(
-            out, leaves, d_out.to(device), allow_unused=True
-        )
+        with checker.guarded():
+            grads = torch.autograd.grad(out, leaves, d_out, allow_unused=True)
+    except Failed:
+        raise
     except Exception as error:
         hint = ""
         if any(words in str(error) for words in DEVICE_ERRORS):
@@ -399,21 +527,9 @@ def _check_backward(checker: Checker, case: Case, seed: int) -> None:
             + hint
         ) from None
     q, k, v = (t.detach().cpu().double() for t in leaves)
-    expected = _dense_gradients(q, k, v, d_out.double(), case.causal)
-    twins = {
-        "the backward pass ignores causal (Triton issue #4541): mask the "
-        "recomputed p with j <= i + T_k - T_q when, and only when, causal "
-        "is True": _recomputed_gradients(
-            q, k, v, d_out.double(), case.causal, not case.causal
-        ),
-    }
-    if case.causal and case.t_q != case.t_k:
-        twins[
-            "the backward pass aligns causal top-left: use the forward's "
-            "bottom-right offset T_k - T_q in its masks and loop bounds"
-        ] = _recomputed_gradients(
-            q, k, v, d_out.double(), True, True, align="top-left"
-        )
+    d_out = d_out.cpu().double()
+    expected = _dense_gradients(q, k, v, d_out, case.causal)
+    twins = _backward_twins(case, q, k, v, d_out)
     for name, got, want, index in zip(
         ("dq", "dk", "dv"), grads, expected, range(3)
     ):
@@ -424,8 +540,60 @@ def _check_backward(checker: Checker, case: Case, seed: int) -> None:
             got.detach().cpu().double(),
             want,
             where + name,
-            {words: grads3[index] for words, grads3 in twins.items()},
+            {
+                words: tuple(form[index] for form in forms)
+                if isinstance(forms[0], tuple)
+                else forms[index]
+                for words, forms in twins.items()
+            },
+            batched=True,
         )
+
+
+def _backward_twins(case: Case, q, k, v, d_out) -> dict[str, tuple]:
+    """The known mistakes' (dq, dk, dv), in float64: one triple each, or a
+    tuple of triples where a mistake has several forms."""
+    causal = case.causal
+
+    def grads(**options) -> tuple[Tensor, ...]:
+        return _recomputed_gradients(q, k, v, d_out, causal, causal,
+                                     **options)  # fmt: skip
+
+    twins = {
+        "the backward pass ignores causal (Triton issue #4541): mask the "
+        "recomputed p with j <= i + T_k - T_q when, and only when, causal "
+        "is True": _recomputed_gradients(q, k, v, d_out, causal, not causal),
+        "delta was left out: dS = P * (dP - delta), with delta = "
+        "rowsum(dO * O) ((d_out * out).sum(-1)), one number per query, "
+        "subtracted from every dP of its row": grads(delta=False),
+        "dq was not multiplied by the scale: dS is the gradient of the "
+        "scaled scores, so dq = dS k / sqrt(d) (sm_scale), as dk = dS^T q "
+        "/ sqrt(d)": grads(dq_scale=False),
+        "dk was not multiplied by the scale: dS is the gradient of the "
+        "scaled scores, so dk = dS^T q / sqrt(d) (sm_scale), as dq = dS k "
+        "/ sqrt(d)": grads(dk_scale=False),
+        "the weights were rebuilt with exp2 against the natural logsumexp, "
+        "mixing log2 and natural units: P = exp(S - L) with L natural; for "
+        "exp2 both terms in log2 units, exp2(S * log2(e) - L * log2(e))": (
+            grads(units=(1.0, math.log(2))),  # exp2(s log2e - L)
+            grads(units=(math.log(2), math.log(2))),  # exp2(s - L)
+            grads(units=(LOG2E, 1.0)),  # exp(s log2e - L)
+        ),
+    }
+    if causal and case.t_q != case.t_k:
+        twins[
+            "the backward pass aligns causal top-left: use the forward's "
+            "bottom-right offset T_k - T_q in its masks and loop bounds"
+        ] = _recomputed_gradients(q, k, v, d_out, True, True, align="top-left")
+    group = case.heads // case.kv_heads
+    if group > 1:
+        twins[
+            "dk and dv hold the gradient of one query head of each group: "
+            "key/value head kv is read by the H / H_kv query heads kv * "
+            "GROUP + g, and its dk and dv are the sum over all of them (for "
+            "g in range(GROUP))"
+        ] = tuple(grads(group_head=g) for g in range(group))
+    return twins
 
 
 def _dense_gradients(q, k, v, d_out, causal: bool) -> tuple[Tensor, ...]:
@@ -434,27 +602,37 @@ def _dense_gradients(q, k, v, d_out, causal: bool) -> tuple[Tensor, ...]:
     return torch.autograd.grad(out, leaves, d_out)
 
 
-def _recomputed_gradients(q, k, v, d_out, forward_causal, backward_causal,
-                          align="bottom-right"):  # fmt: skip
+def _recomputed_gradients(
+    q, k, v, d_out, forward_causal, backward_causal, align="bottom-right",
+    *, delta=True, dq_scale=True, dk_scale=True, units=(1.0, 1.0),
+    group_head=None,
+) -> tuple[Tensor, ...]:  # fmt: skip
     """A backward pass that rebuilds p = exp(s - lse) from the forward's
-    logsumexp, masking as ``backward_causal`` says (right or not)."""
+    logsumexp, masking as ``backward_causal`` says (right or not), and with
+    the mistakes the options switch on: ``delta`` left out, a scale left
+    out, p = exp(a s - b lse) for ``units`` (a, b), dk and dv from query
+    head ``group_head`` of each group alone."""
     out, lse = dense(q, k, v, causal=forward_causal)
     group = q.shape[1] // k.shape[1]
     k_all, v_all = (t.repeat_interleave(group, dim=1) for t in (k, v))
     scale = q.shape[-1] ** -0.5
     scores = q @ k_all.transpose(-1, -2) * scale  # (B, H, T_q, T_k)
-    p = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0)[..., None])
+    lse = lse.masked_fill(torch.isneginf(lse), 0)[..., None]
+    p = torch.exp(units[0] * scores - units[1] * lse)
     if backward_causal:
         keep = _keep(q.shape[2], k.shape[2], True, align)
         p = p.masked_fill(~keep, 0.0)
-    delta = (d_out * out).sum(-1, keepdim=True)  # (B, H, T_q, 1)
+    row = (d_out * out).sum(-1, keepdim=True)  # delta: (B, H, T_q, 1)
     dv = p.transpose(-1, -2) @ d_out
-    ds = p * (d_out @ v_all.transpose(-1, -2) - delta)
-    dq = ds @ k_all * scale
-    dk = ds.transpose(-1, -2) @ q * scale
+    ds = p * (d_out @ v_all.transpose(-1, -2) - (row if delta else 0.0))
+    dq = ds @ k_all * (scale if dq_scale else 1.0)
+    dk = ds.transpose(-1, -2) @ q * (scale if dk_scale else 1.0)
 
     def per_kv_head(t):  # (B, H, T_k, d) -> (B, H_kv, T_k, d), group sums
-        return t.unflatten(1, (k.shape[1], group)).sum(2)
+        grouped = t.unflatten(1, (k.shape[1], group))
+        return (
+            grouped.sum(2) if group_head is None else grouped[:, :, group_head]
+        )
 
     return dq, per_kv_head(dk), per_kv_head(dv)
 
@@ -524,10 +702,11 @@ def dense(
 
 def _tiled(
     q, k, v, case: Case, block_k: int | None, *, rescale_acc=True,
-    rescale_ell=True, mask_tail=True, divide=True,
+    rescale_ell=True, mask_tail=True, divide=True, divide_each=False,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The online softmax over key tiles of ``block_k`` (all keys at once
-    for None), with the mistakes that depend on the tiles switched on."""
+    for None), with the mistakes that depend on the tiles switched on
+    (``divide_each``: acc divided by ell after each tile)."""
     t_q, t_k = q.shape[2], k.shape[2]
     block_k = block_k or t_k
     padded = -(-t_k // block_k) * block_k
@@ -551,6 +730,8 @@ def _tiled(
         ell = (alpha if rescale_ell else 1.0) * ell + p.sum(-1)
         pv = p @ v[:, :, None, start : start + block_k]
         acc = (alpha[..., None] if rescale_acc else 1.0) * acc + pv
+        if divide_each:
+            acc = acc / ell.masked_fill(ell == 0, 1.0)[..., None]
         m = m_new
     out = acc / ell.masked_fill(ell == 0, 1.0)[..., None] if divide else acc
     return _ungroup(out, "divide"), _ungroup(m + torch.log(ell), "divide")
@@ -561,19 +742,45 @@ def _tiled(
 
 
 def _compare(
-    got: Tensor, expected: Tensor, what: str, twins: dict | None = None
+    got: Tensor,
+    expected: Tensor,
+    what: str,
+    twins: dict | None = None,
+    batched: bool = False,
 ) -> None:
     """Pass within :data:`TOLERANCE`; otherwise name the twin ``got``
-    equals, if any, or say how far and where it is off."""
+    equals, if any, or say how far and where it is off. ``batched``: the
+    first axis is the batch, and a result right for batch 0 only is named
+    as a program that works on the wrong (batch, head)."""
     if _close(got, expected):
         return
     for words, results in (twins or {}).items():
         for twin in results if isinstance(results, tuple) else (results,):
             if twin.shape == got.shape and _close(got, twin):
                 raise Failed(f"{what}: {words}")
+    wrong = [
+        b
+        for b in range(got.shape[0] if batched else 0)
+        if not _close(got[b], expected[b])
+    ]
+    if wrong and wrong[0] > 0:
+        raise Failed(
+            f"{what} is right for batch 0 and wrong for batch {wrong[0]}: a "
+            "program works on another (batch, head) than its own. With one "
+            "program per (batch, head), b = pid // heads and the head is "
+            "pid % heads, where heads is the number of heads of the tensor "
+            "it writes: H for out and dq, H_kv for dk and dv (b_kv // "
+            "H_kv, not b_kv // H); and the batch's offset is b * stride_b"
+        )
     if torch.isnan(got).any():
         where = tuple(int(i) for i in torch.nonzero(torch.isnan(got))[0])
-        raise Failed(f"{what} holds NaN (first at index {where})")
+        raise Failed(
+            f"{what} holds NaN (first at index {where}). The checker puts "
+            "NaN around every tensor it hands a kernel: a load past the end "
+            "of q, k, v (or d_out, lse) that reaches the result makes NaN. "
+            "Mask every load with the bounds of its tile (rows < T_Q, cols "
+            "< T_K, dims < HEAD_DIM)"
+        )
     error = (got - expected).abs() / (1 + expected.abs())
     worst = int(torch.argmax(torch.nan_to_num(error, nan=math.inf)))
     index = tuple(
