@@ -18,6 +18,7 @@ beside ours; every other cell on the CPU.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 
@@ -374,7 +375,11 @@ def test_transformers_model_on_our_backends_equals_its_eager_model(name: str) ->
     assert name in register_transformers_backends()
     device = device_for(name)
     eager = transformers_models(device)["float32"]  # Mistral's family, window 6 < T
-    theirs = AutoModelForCausalLM.from_config(eager.config, attn_implementation=name)
+    # a copy of the config: from_config sets the implementation on the config it is given
+    theirs = AutoModelForCausalLM.from_config(
+        copy.deepcopy(eager.config), attn_implementation=name
+    )
+    assert eager.config._attn_implementation != name  # the reference stays itself
     theirs = theirs.eval().to(device)
     theirs.load_state_dict(eager.state_dict())
     assert theirs.config._attn_implementation == name
