@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 from mha import kernels, register_transformers_backends
-from transformers import AutoModelForCausalLM, LlamaConfig, Llama4TextConfig
+from transformers import AutoModelForCausalLM, Llama4TextConfig, LlamaConfig
 
 from helpers import KERNEL_DEVICE
 
