@@ -148,6 +148,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     sinks: bool = False
     max_position_embeddings: int | None = None
+    dtype: str | None = None  # the weights' (config.json's torch_dtype)
 
     def require(self, *names: str) -> None:
         """Raise ValueError naming the first of ``names`` that is None."""
@@ -206,7 +207,16 @@ def read_config(config: object, *, layer: bool = False) -> ModelConfig:
         max_position_embeddings=_optional_int(
             fields, "max_position_embeddings"
         ),
+        dtype=_dtype_name(fields.get("dtype") or fields.get("torch_dtype")),
     )
+
+
+def _dtype_name(value: object) -> str | None:
+    """A config's dtype as its torch name (``"bfloat16"``), or None (none
+    given, or ``"auto"``)."""
+    if value is None or value == "auto":
+        return None
+    return str(value).removeprefix("torch.")
 
 
 def _as_dict(config: object) -> dict:
@@ -304,8 +314,11 @@ def _refuse_unknown(fields: dict, model_type: str, layer: bool) -> None:
             refused.append(f"{name} = {value!r}")
     rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
     partial = dict(rope).get("partial_rotary_factor")
-    if not NEUTRAL["partial_rotary_factor"](partial, fields):
-        refused.append(f"partial_rotary_factor = {partial!r}")
+    entry = f"partial_rotary_factor = {partial!r}"
+    if not NEUTRAL["partial_rotary_factor"](partial, fields) and (
+        entry not in refused  # named once, top-level or in the rope's
+    ):
+        refused.append(entry)
     if refused:
         raise ValueError(
             "config fields not implemented: " + "; ".join(refused)

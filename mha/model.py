@@ -230,13 +230,13 @@ class CausalLM(nn.Module):
         """From a transformers ``LlamaConfig``, ``MistralConfig``,
         ``Qwen2Config`` or ``Qwen3Config``, or its config.json as a dict
         (:func:`mha.configs.read_config`: a field not implemented raises a
-        ValueError that names it)."""
-        return cls(
-            read_config(config),
-            attn_backend=attn_backend,
-            device=device,
-            dtype=dtype,
-        )
+        ValueError that names it). ``dtype``: the parameters'; default the
+        config's own (``torch_dtype``), as transformers' ``from_config``."""
+        fields = read_config(config)
+        if dtype is None and fields.dtype is not None:
+            dtype = getattr(torch, fields.dtype)
+        return cls(fields, attn_backend=attn_backend, device=device,
+                   dtype=dtype)  # fmt: skip
 
     @property
     def attn_backend(self) -> str:

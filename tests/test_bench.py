@@ -707,3 +707,16 @@ def test_git_dirty_counts_code_changes_not_benchmark_results(tmp_path):
 
     (tmp_path / "code.py").write_text("x = 2\n")
     assert git_commit(tmp_path) == (commit, True)
+
+
+def test_serve_names_its_sizes_once() -> None:
+    # serve's sizes are numbers of requests: --requests, and no --seq-lens beside it.
+    import contextlib
+    import io
+
+    from mha.bench.cli import main
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--requests" in text.getvalue() and "--seq-lens" not in text.getvalue()

@@ -61,3 +61,12 @@ def test_fields_not_implemented_are_refused_by_name(config, fields) -> None:
 def test_switched_off_fields_are_accepted() -> None:
     config = {**SMALL, "attn_logit_softcapping": None, "qk_layernorm": False, "embd_pdrop": 0.0}
     assert read_config(config).hidden_size == 64
+
+
+def test_a_field_is_named_once() -> None:
+    # Phi-3 gives partial_rotary_factor at the top; it was named twice (there and in the rope's).
+    from transformers import Phi3Config
+
+    with pytest.raises(ValueError) as refused:
+        read_config(Phi3Config(partial_rotary_factor=0.5))
+    assert str(refused.value).count("partial_rotary_factor") == 1

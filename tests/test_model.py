@@ -580,3 +580,14 @@ def test_a_tied_checkpoint_without_its_head_loads_strictly() -> None:
     untied = CausalLM.from_config(LlamaConfig(**SMALL))
     with pytest.raises(RuntimeError, match="lm_head.weight"):  # its own head: still required
         untied.load_state_dict(checkpoint)
+
+
+def test_from_config_takes_the_configs_dtype_as_transformers() -> None:
+    config = LlamaConfig(**SMALL, dtype="bfloat16")
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    assert CausalLM.from_config(config).lm_head.weight.dtype == theirs.dtype == torch.bfloat16
+    assert CausalLM.from_config(config, dtype=torch.float32).lm_head.weight.dtype == torch.float32
+    as_dict = {**SMALL, "torch_dtype": "bfloat16"}  # config.json's older key
+    assert CausalLM.from_config(as_dict).lm_head.weight.dtype == torch.bfloat16

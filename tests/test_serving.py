@@ -441,3 +441,11 @@ def test_a_backend_without_a_paged_kernel_serves_through_its_own_attention(
     assert calls  # the backend's own function ran
     for i, prompt in zip(ids, prompts):
         assert got[i] == alone(tuple(prompt), 5), backend
+
+
+def test_a_token_past_the_vocabulary_is_named() -> None:
+    engine = Engine(tiny_model(eos=None), num_blocks=8, block_size=4)
+    with pytest.raises(ValueError, match=rf"prompt_ids must lie in \[0, vocab_size = {VOCAB}\)"):
+        engine.add_request([3, VOCAB + 2], 2)
+    with pytest.raises(ValueError, match="at least one token id"):
+        engine.add_request([], 2)

@@ -40,13 +40,13 @@ def _command(
     registry: dict[str, Implementation],
     run: Callable[..., dict],
     table: Callable[[dict], str],
-    lengths: tuple[str, str],
+    lengths: tuple[str, str] | None,
 ) -> Callable[..., object]:
     """A subcommand with the common options; returns its ``add_argument``.
 
     ``about``: help and description; ``lengths``: the run's keyword for
-    ``--seq-lens`` and its help. An option left out (None) leaves run's
-    default.
+    ``--seq-lens`` and its help (None: no ``--seq-lens``). An option left
+    out (None) leaves run's default.
     """
     parser = commands.add_parser(name, help=about[0], description=about[1])
     parser.set_defaults(run=run, table=table, registry=registry)
@@ -57,8 +57,9 @@ def _command(
     add("--dtype", choices=tuple(DTYPES), help="(default: float32)")
     add("--heads", type=int, help="H (default: 8)")
     add("--head-dim", type=int, help="d_k; D = H d_k (default: 64)")
-    add("--seq-lens", dest=lengths[0], type=int, nargs="+", metavar="T",
-        help=lengths[1])
+    if lengths is not None:  # serve names its own (--requests)
+        add("--seq-lens", dest=lengths[0], type=int, nargs="+", metavar="T",
+            help=lengths[1])
     add("--impl", dest="impls", nargs="*", choices=tuple(registry),
         metavar="NAME", help="entries to run (default: those the device "
         "runs by default); --impl alone lists them")
@@ -174,10 +175,10 @@ def _parser() -> argparse.ArgumentParser:
          "generate of the left-padded batch; tokens/s, time ratios, blocks."),
         serve.SERVE_IMPLEMENTATIONS, serve.run_serve_benchmark,
         serve.format_serve,
-        ("requests", "numbers of requests N (default: 8)"),
+        None,
     )
     add("--requests", type=int, nargs="+", metavar="N", help="numbers of "
-        "requests (the same as --seq-lens here; default: 8)")
+        "requests (default: 8)")
     add("--mix", choices=tuple(serve.MIXES), help="the requests' lengths: "
         "chat, prompts of 8-128 tokens and 8-64 new; short_prompts, 8-32 "
         "and 32-128 (default: chat)")

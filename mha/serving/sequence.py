@@ -77,11 +77,13 @@ class Sequence:
                 )
             prompt_ids = prompt_ids.tolist()
         prompt = [check_int("prompt_ids[i]", t, minimum=0) for t in prompt_ids]
-        if not prompt or max(prompt) >= config.vocab_size:
+        if not prompt:
+            raise ValueError("prompt_ids must hold at least one token id")
+        if max(prompt) >= config.vocab_size:
             raise ValueError(
-                "prompt_ids must hold at least one token id in [0, "
-                f"vocab_size = {config.vocab_size}), got {prompt[:8]}"
-                f"{' ...' if len(prompt) > 8 else ''}"
+                f"prompt_ids must lie in [0, vocab_size = "
+                f"{config.vocab_size}), got {max(prompt)} among "
+                f"{prompt[:8]}{' ...' if len(prompt) > 8 else ''}"
             )
         check_int("max_new_tokens", max_new_tokens)
         check_context(len(prompt), max_new_tokens, config)
