@@ -29,6 +29,7 @@ __all__ = [
     "check_same",
     "check_positions",
     "check_key_start",
+    "check_window",
     "check_positive",
     "shape_text",
 ]
@@ -219,3 +220,10 @@ def check_key_start(key_start: object, q: Any) -> Any:
             f"{key_start.device}"
         )
     return key_start.clamp(0, 2**31 - 1).to(torch.int32).contiguous()
+
+
+def check_window(window: object) -> int | None:
+    """A sliding window: None, or a positive int (a query's newest keys)."""
+    if window is None:
+        return None
+    return check_int("window", window)

@@ -301,9 +301,9 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     """The tiled online softmax in torch (chapter 13)."""
     from .flash import flash_attention_torch
 
-    def run(q, k, v, causal, key_start):
+    def run(q, k, v, causal, key_start, window):
         out, _ = flash_attention_torch(
-            q, k, v, causal=causal, key_start=key_start
+            q, k, v, causal=causal, key_start=key_start, window=window
         )
         return out
 
@@ -334,15 +334,15 @@ def triton(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     two already merge partial results)."""
     from . import kernels
 
-    def run(q, k, v, causal, key_start):
+    def run(q, k, v, causal, key_start, window):
         if q.shape[2] == 1 and not _needs_grad(q, k, v):  # a decoding step:
             # the keys split across programs (forward only)
             return kernels.triton_split_kv_attention(
-                q, k, v, causal=causal, key_start=key_start,
+                q, k, v, causal=causal, key_start=key_start, window=window,
                 num_splits=2 if kernels.INTERPRETED else None,
             )  # fmt: skip
         return kernels.triton_attention(
-            q, k, v, causal=causal, key_start=key_start
+            q, k, v, causal=causal, key_start=key_start, window=window
         )
 
     return _sliced(run, q, k, v, masking)
@@ -354,10 +354,9 @@ def _needs_grad(*tensors: Tensor) -> bool:
 
 
 def _sliced(run, q: Tensor, k: Tensor, v: Tensor, masking: Masking):
-    """A kernel that takes bottom-right causal attention and a key start per
-    row (left padding) only, under a window too: each query then attends to
-    its ``window`` newest keys, one query at a time (a decoding step is one
-    query). ``run(q, k, v, causal, key_start) -> out``."""
+    """A kernel that takes bottom-right causal attention, a key start per
+    row (left padding) and a sliding window, whose tiles before a query
+    tile's window it skips. ``run(q, k, v, causal, key_start, window)``."""
     from .functional import key_start_from_attention_mask
 
     t_q, t_k = q.shape[2], k.shape[2]
@@ -372,38 +371,8 @@ def _sliced(run, q: Tensor, k: Tensor, v: Tensor, masking: Masking):
     if masking.padding is not None:  # (B,) int32: each row's first key
         padding = masking.padding[:, :t_k]
         key_start = key_start_from_attention_mask(padding).to(q.device)
-    if "window" not in kinds:
-        return run(q, k, v, "causal" in kinds, key_start)
-    heads = []  # each query attends alone to its window of newest keys
-    chunk = max(1, 2**22 // (masking.window * k.shape[1] * k.shape[3]))
-    for first in range(0, t_q, chunk):
-        rows = range(first, min(first + chunk, t_q))
-        heads.append(_windows(run, q, k, v, masking.window, offset, rows,
-                              key_start))  # fmt: skip
-    return torch.cat(heads, dim=2)
-
-
-def _windows(run, q, k, v, window: int, offset: int, rows: range, key_start):
-    """Queries ``rows`` as rows of their own, each with its ``window``
-    keys (gathered: a single newest query, no causal mask), in one call.
-    ``key_start`` (B,) or None: the pads before each row's first key."""
-    B, H, _, d_k = q.shape
-    ends = offset + torch.arange(rows.start, rows.stop) + 1  # (n,) past own
-    index = ends[:, None] - window + torch.arange(window)  # (n, W) keys
-    keys = index.clamp(min=0).to(k.device)
-    k_rows = k[:, :, keys].transpose(1, 2).flatten(0, 1)  # (B n, H_kv, W, d)
-    v_rows = v[:, :, keys].transpose(1, 2).flatten(0, 1)
-    q_rows = q[:, :, rows.start : rows.stop].transpose(1, 2)  # (B, n, H, d)
-    q_rows = q_rows.flatten(0, 1)[:, :, None]  # (B n, H, 1, d_k)
-    real = (
-        torch.zeros(B, dtype=torch.int64)
-        if key_start is None
-        else (key_start.cpu().to(torch.int64))
-    )  # first real key of each row
-    starts = (real[:, None] - index[None, :, 0]).clamp(min=0)  # (B, n)
-    starts = starts.flatten().to(torch.int32).to(q.device)
-    out = run(q_rows, k_rows, v_rows, False, starts)  # (B n, H, 1, d_k)
-    return out[:, :, 0].unflatten(0, (B, len(rows))).transpose(1, 2)
+    window = masking.window if "window" in kinds else None
+    return run(q, k, v, "causal" in kinds, key_start, window)
 
 
 @register(

@@ -59,6 +59,7 @@ from ._validate import (
     check_same,
     check_scale,
     check_tensor,
+    check_window,
 )
 from .reference import check_attention_inputs
 
@@ -466,12 +467,14 @@ def _tiled_forward(
     scale: float,
     key_start: Tensor | None = None,
     sink: Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`flash_attention` in torch; running sums in float32 or wider.
 
     q (..., G, T_q, d_k), k and v (..., 1, T_k, d): grouped heads;
     ``key_start`` (B,) int32 or None, B the first axis; ``sink`` the sink
-    logits shaped by :func:`sink_rows`, or None.
+    logits shaped by :func:`sink_rows`, or None; ``window`` a sliding
+    window (each query's newest keys), or None.
     """
     t_q, t_k = q.shape[-2], k.shape[-2]
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
@@ -492,7 +495,10 @@ def _tiled_forward(
         acc = torch.zeros(
             q_tile.shape[:-1] + v.shape[-1:], dtype=acc_dtype, device=q.device
         )  # (..., B_q, d_v)
-        for cols in key_blocks(rows, t_q, t_k, block_k, causal):
+        for cols in _in_window(
+            key_blocks(rows, t_q, t_k, block_k, causal), rows, t_k - t_q,
+            window,
+        ):  # fmt: skip
             k_tile, v_tile = k[..., cols, :], v[..., cols, :]
             if key_start is not None:  # padding: hidden, and zeros
                 visible = _visible_keys(key_start, cols, q.ndim)
@@ -500,8 +506,9 @@ def _tiled_forward(
                 v_tile = v_tile.where(visible, 0.0)
             scores = (q_tile @ k_tile.transpose(-1, -2)).to(acc_dtype)
             scores = scores * scale  # (..., B_q, B_k)
-            if causal:
-                keep = _causal_keep_torch(rows, cols, t_k - t_q, q.device)
+            if causal or window is not None:
+                keep = _keep_torch(rows, cols, t_k - t_q, causal, window,
+                                   q.device)  # fmt: skip
                 scores = scores.masked_fill(~keep, -math.inf)
             if key_start is not None:  # (B, 1, .., 1, B_k) over the scores
                 scores = scores.masked_fill(~visible.mT, -math.inf)
@@ -529,13 +536,24 @@ def _visible_keys(key_start: Tensor, cols: slice, ndim: int) -> Tensor:
     return visible.reshape(shape)
 
 
-def _causal_keep_torch(
-    rows: slice, cols: slice, offset: int, device: torch.device
+def _keep_torch(
+    rows: slice, cols: slice, offset: int, causal: bool, window, device
 ) -> Tensor:
-    """:func:`causal_keep` built in torch on ``device``: no host copy."""
+    """:func:`causal_keep` built in torch on ``device`` (no host copy), and
+    the window: query i sees keys j > i + offset - window."""
     query = torch.arange(rows.start, rows.stop, device=device)[:, None]
     key = torch.arange(cols.start, cols.stop, device=device)[None, :]
-    return key <= query + offset  # (B_q, B_k)
+    keep = key <= query + offset if causal else key >= 0  # (B_q, B_k)
+    if window is not None:
+        keep = keep & (key > query + offset - window)
+    return keep
+
+
+def _in_window(blocks, rows: slice, offset: int, window) -> Iterator[slice]:
+    """The key tiles of ``blocks`` that reach the window of the first query
+    of ``rows``: the tiles wholly before it are skipped."""
+    first = -1 if window is None else rows.start + offset - window + 1
+    return (cols for cols in blocks if cols.stop > first)
 
 
 def _tiled_backward(
@@ -551,6 +569,7 @@ def _tiled_backward(
     block_k: int,
     scale: float,
     key_start: Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`flash_attention_backward` in torch, and the logsumexp's gradient.
 
@@ -570,7 +589,10 @@ def _tiled_backward(
     for q_start in range(0, t_q, block_q):
         rows = slice(q_start, min(q_start + block_q, t_q))
         q_tile, do_tile = q[..., rows, :], d_out[..., rows, :]
-        for cols in key_blocks(rows, t_q, t_k, block_k, causal):
+        for cols in _in_window(
+            key_blocks(rows, t_q, t_k, block_k, causal), rows, t_k - t_q,
+            window,
+        ):  # fmt: skip
             k_tile, v_tile = k[..., cols, :], v[..., cols, :]
             if key_start is not None:  # padding: zeros, and no weight
                 visible = _visible_keys(key_start, cols, q.ndim)
@@ -578,8 +600,9 @@ def _tiled_backward(
                 v_tile = v_tile.where(visible, 0.0)
             scores = (q_tile @ k_tile.transpose(-1, -2)).to(acc_dtype) * scale
             p = torch.exp(scores - logsumexp[..., rows, None])  # recomputed
-            if causal:
-                keep = _causal_keep_torch(rows, cols, t_k - t_q, q.device)
+            if causal or window is not None:
+                keep = _keep_torch(rows, cols, t_k - t_q, causal, window,
+                                   q.device)  # fmt: skip
                 p = p.masked_fill(~keep, 0.0)
             if key_start is not None:
                 p = p.masked_fill(~visible.mT, 0.0)
@@ -602,19 +625,21 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, q, k, v, causal, block_q, block_k, scale, key_start, sinks=None
-    ):
+        ctx, q, k, v, causal, block_q, block_k, scale, key_start, sinks=None,
+        window=None,
+    ):  # fmt: skip
         *grouped_qkv, grouped = group_heads(q, k, v)
         sink = None
         if sinks is not None:
             sink = sink_rows(sinks, grouped_qkv[0], grouped)
         out, logsumexp = _tiled_forward(
-            *grouped_qkv, causal, block_q, block_k, scale, key_start, sink
-        )
+            *grouped_qkv, causal, block_q, block_k, scale, key_start, sink,
+            window,
+        )  # fmt: skip
         out = ungroup_heads(out, grouped)  # (..., H, T_q, d_v)
         logsumexp = ungroup_heads(logsumexp[..., None], grouped)[..., 0]
         ctx.save_for_backward(q, k, v, out, logsumexp, sinks)
-        ctx.settings = (causal, block_q, block_k, scale, key_start)
+        ctx.settings = (causal, block_q, block_k, scale, key_start, window)
         return out, logsumexp
 
     @staticmethod
@@ -635,7 +660,7 @@ class FlashAttention(torch.autograd.Function):
             q, k, v, out, logsumexp, d_out, d_logsumexp, *ctx.settings
         )
         grads = ungroup_heads(dq, grouped), dk[..., 0, :, :], dv[..., 0, :, :]
-        return (*grads, None, None, None, None, None, d_sinks)
+        return (*grads, None, None, None, None, None, d_sinks, None)
 
 
 def _sink_gradient(
@@ -671,6 +696,7 @@ def flash_attention_torch(
     scale: float | None = None,
     key_start: Tensor | None = None,
     sinks: Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`flash_attention` for torch tensors, differentiable.
 
@@ -692,6 +718,10 @@ def flash_attention_torch(
         sinks: (H,) learned sink logits, differentiable, or None: as in
             :func:`flash_attention` (a query that sees no key then gets
             zeros and the logsumexp ``s_h``).
+        window: a positive int, or None: query i sees only its ``window``
+            newest keys (a sliding window, as the Triton kernels'
+            ``window``); the key tiles before a query tile's window are
+            skipped.
 
     Returns:
         ``(out, logsumexp)``: (..., H, T_q, d_v) in the inputs' dtype and
@@ -699,13 +729,15 @@ def flash_attention_torch(
     """
     scale = _check_torch(q, k, v, block_q, block_k, scale)
     key_start = check_key_start(key_start, q)
+    window = check_window(window)
     if sinks is not None:
         check_tensor("sinks", sinks)
         _check_sinks(sinks, tuple(q.shape), None)
         check_same("q and sinks", (q, sinks))
     return FlashAttention.apply(
-        q, k, v, bool(causal), block_q, block_k, scale, key_start, sinks
-    )
+        q, k, v, bool(causal), block_q, block_k, scale, key_start, sinks,
+        window,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------

@@ -197,6 +197,7 @@ def triton_attention(
     block_k: int | None = None,
     key_start: Tensor | None = None,
     sinks: Tensor | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """softmax(q k^T * scale) v for (B, H, T, d_k) tensors, by a Triton kernel.
 
@@ -213,7 +214,7 @@ def triton_attention(
 
     return run(
         q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k,
-        key_start=key_start, sinks=sinks,
+        key_start=key_start, sinks=sinks, window=window,
     )  # fmt: skip
 
 
@@ -226,6 +227,7 @@ def triton_split_kv_attention(
     scale: float | None = None,
     num_splits: int | None = None,
     key_start: Tensor | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Attention for few queries and many keys, the keys split across programs.
 
@@ -247,7 +249,7 @@ def triton_split_kv_attention(
 
     out, _ = split_kv_forward(
         q, k, v, causal=causal, scale=scale, num_splits=num_splits,
-        key_start=key_start,
+        key_start=key_start, window=window,
     )  # fmt: skip
     return out
 

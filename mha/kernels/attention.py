@@ -75,6 +75,7 @@ from .._validate import (
     check_same,
     check_scale,
     check_tensor,
+    check_window,
 )
 from . import INTERPRETED, MAX_HEAD_DIM
 from .tiles import (
@@ -127,12 +128,14 @@ def _attend(
     CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
     PRECISION: tl.constexpr, HAS_KEY_START: tl.constexpr,
+    window, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     """The online softmax of one query tile over keys start..stop-1.
 
     :func:`mha.flash.online_softmax` for one program: returns the running
     maximum ``m``, sum ``ell`` and weighted values ``acc`` (float32). With
-    ``HAS_KEY_START``, keys before ``key_start`` are hidden and not loaded.
+    ``HAS_KEY_START``, keys before ``key_start`` are hidden and not loaded;
+    with ``HAS_WINDOW``, a query sees only its ``window`` newest keys.
     """
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)  # running maximum
     ell = tl.full([BLOCK_Q], 0.0, tl.float32)  # running sum of exp(s - m)
@@ -151,6 +154,8 @@ def _attend(
         keep = visible[None, :]  # (1, B_k), broadcast with rows below
         if CAUSAL:  # bottom-right: query i sees keys 0..i + T_k - T_q
             keep = keep & (cols[None, :] <= rows[:, None] + offset)
+        if HAS_WINDOW:  # and none before its window
+            keep = keep & (cols[None, :] > rows[:, None] + offset - window)
         scores = tl.where(keep, scores, float("-inf"))  # (B_q, B_k)
         m_new = tl.maximum(m, tl.reduce(scores, 1, _maximum))  # row max
         # a row with no visible key yet: exponentiate against 0, no NaN
@@ -199,6 +204,7 @@ def _forward_kernel(
     HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
     PRECISION: tl.constexpr, HAS_KEY_START: tl.constexpr,
     Sinks=None, HAS_SINKS: tl.constexpr = False,  # (H,) learned sink logits
+    window=None, HAS_WINDOW: tl.constexpr = False,  # a positive int
 ):  # fmt: skip
     """One program: the output rows of one query tile of one (batch, head)."""
     q_block, batch_head = tl.program_id(0), tl.program_id(1)
@@ -220,11 +226,14 @@ def _forward_kernel(
     if HAS_KEY_START:  # key tiles of padding only: skipped
         key_start = tl.load(KeyStart + b)
         start = tl.maximum(key_start, 0) // BLOCK_K * BLOCK_K
+    if HAS_WINDOW:  # key tiles before the tile's first query's window
+        first = tl.maximum(q_block * BLOCK_Q + offset - window + 1, 0)
+        start = tl.maximum(start, first // BLOCK_K * BLOCK_K)
     m, ell, acc = _attend(
         q, k_head, v_head, rows, dims, start, stop, offset, key_start, scale,
         stride_kt, stride_kd, stride_vt, stride_vd,
         CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
-        HAS_KEY_START,
+        HAS_KEY_START, window, HAS_WINDOW,
     )  # fmt: skip
     if HAS_SINKS:
         m, ell, acc = _add_sink(m, ell, acc, tl.load(Sinks + h).to(tl.float32))
@@ -245,6 +254,7 @@ def _split_kv_kernel(
     CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
     PRECISION: tl.constexpr, HAS_KEY_START: tl.constexpr,
+    window=None, HAS_WINDOW: tl.constexpr = False,  # a positive int
 ):  # fmt: skip
     """One program: one query tile against one split of the keys.
 
@@ -276,11 +286,14 @@ def _split_kv_kernel(
         start = tl.maximum(
             start, tl.maximum(key_start, 0) // BLOCK_K * BLOCK_K
         )
+    if HAS_WINDOW:  # key tiles before the tile's first query's window
+        first = tl.maximum(q_block * BLOCK_Q + offset - window + 1, 0)
+        start = tl.maximum(start, first // BLOCK_K * BLOCK_K)
     m, ell, acc = _attend(
         q, k_head, v_head, rows, dims, start, stop, offset, key_start, scale,
         stride_kt, stride_kd, stride_vt, stride_vd,
         CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
-        HAS_KEY_START,
+        HAS_KEY_START, window, HAS_WINDOW,
     )  # fmt: skip
     out, logsumexp = _finish(m, ell, acc)
     part = batch_head * num_splits + split  # partial[b, h, split]
@@ -298,6 +311,7 @@ def _backward_dk_dv_kernel(
     CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
     PRECISION: tl.constexpr, HAS_KEY_START: tl.constexpr,
+    window=None, HAS_WINDOW: tl.constexpr = False,  # a positive int
 ):  # fmt: skip
     """One program: dk and dv of one key tile of one key/value head.
 
@@ -323,11 +337,14 @@ def _backward_dk_dv_kernel(
     first = 0
     if CAUSAL:  # query tiles before the first query that sees this tile
         first = tl.maximum(0, k_block * BLOCK_K - offset) // BLOCK_Q * BLOCK_Q
+    last = t_q  # query tiles after the last query whose window holds it
+    if HAS_WINDOW:
+        last = tl.minimum(t_q, (k_block + 1) * BLOCK_K - 1 - offset + window)
     for member in range(0, group):  # the query heads that read head kv
         h = kv * group + member
         batch_head = b * num_heads + h
         q_offset = b * stride_b + h * stride_h  # of q[b, h], d_out[b, h]
-        for start in range(first, t_q, BLOCK_Q):
+        for start in range(first, last, BLOCK_Q):
             rows = start + tl.arange(0, BLOCK_Q)
             real = (rows[:, None] < t_q) & (dims[None, :] < HEAD_DIM)
             q_tile = _tile(q_offset, rows, dims, stride_t, stride_d)
@@ -346,6 +363,10 @@ def _backward_dk_dv_kernel(
             keep_t = visible[:, None] & (rows[None, :] < t_q)  # (B_k, B_q)
             if CAUSAL:
                 keep_t = keep_t & (cols[:, None] <= rows[None, :] + offset)
+            if HAS_WINDOW:
+                keep_t = keep_t & (
+                    cols[:, None] > rows[None, :] + offset - window
+                )
             p_t = tl.where(keep_t, tl.exp(scores_t - lse[None, :]), 0.0)
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -367,6 +388,7 @@ def _backward_dq_kernel(
     CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
     PRECISION: tl.constexpr, HAS_KEY_START: tl.constexpr,
+    window=None, HAS_WINDOW: tl.constexpr = False,  # a positive int
 ):  # fmt: skip
     """One program: dq of one tile of queries, summed over key tiles."""
     q_block, batch_head = tl.program_id(0), tl.program_id(1)
@@ -392,6 +414,9 @@ def _backward_dq_kernel(
     if HAS_KEY_START:  # key tiles of padding only: skipped
         key_start = tl.load(KeyStart + b)
         first = tl.maximum(key_start, 0) // BLOCK_K * BLOCK_K
+    if HAS_WINDOW:  # key tiles before the tile's first query's window
+        lowest = tl.maximum(q_block * BLOCK_Q + offset - window + 1, 0)
+        first = tl.maximum(first, lowest // BLOCK_K * BLOCK_K)
     for start in range(first, stop, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         visible = cols < t_k
@@ -405,6 +430,8 @@ def _backward_dq_kernel(
         keep = (rows[:, None] < t_q) & visible[None, :]
         if CAUSAL:
             keep = keep & (cols[None, :] <= rows[:, None] + offset)
+        if HAS_WINDOW:
+            keep = keep & (cols[None, :] > rows[:, None] + offset - window)
         p = tl.where(keep, tl.exp(scores - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -430,9 +457,13 @@ class Launch:
         self.kernel[self.grid](*self.args, **self.constants)
 
 
-def _constants(q: Tensor, tiles: Tiles, causal: bool, key_start=None) -> dict:
+def _constants(
+    q: Tensor, tiles: Tiles, causal: bool, key_start=None, window=None
+) -> dict:
     d_k = q.shape[-1]
+    window = {} if window is None else {"window": window, "HAS_WINDOW": True}
     return {
+        **window,
         "CAUSAL": bool(causal),
         "HAS_KEY_START": key_start is not None,
         "BLOCK_Q": tiles.block_q,
@@ -463,7 +494,7 @@ def _tiles(q, kernel, block_q, block_k, capability) -> Tiles:
 
 def forward_launch(
     q, k, v, out, logsumexp, *, causal, scale, tiles, key_start=None,
-    sinks=None,
+    sinks=None, window=None,
 ):  # fmt: skip
     """The forward kernel's launch: one program per (query tile, b, h);
     ``key_start`` (B,) int32 or None (no padding); ``sinks`` (H,) float32
@@ -475,7 +506,7 @@ def forward_launch(
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         heads, heads // kv_heads, t_q, t_k, scale,
     )  # fmt: skip
-    constants = _constants(q, tiles, causal, key_start)
+    constants = _constants(q, tiles, causal, key_start, window)
     if sinks is not None:
         constants.update(Sinks=sinks, HAS_SINKS=True)
     return Launch(_forward_kernel, grid, args, constants)
@@ -483,7 +514,7 @@ def forward_launch(
 
 def split_kv_launch(
     q, k, v, partial, partial_lse, *, causal, scale, tiles, keys_per_split,
-    key_start=None,
+    key_start=None, window=None,
 ):  # fmt: skip
     """The split-KV kernel's launch: one program per (split, query tile, b,
     h); ``partial`` is (B, H, splits, T_q, d_k) float32."""
@@ -495,13 +526,13 @@ def split_kv_launch(
         *q.stride(), *k.stride(), *v.stride(),
         heads, heads // kv_heads, t_q, t_k, keys_per_split, scale,
     )  # fmt: skip
-    constants = _constants(q, tiles, causal, key_start)
+    constants = _constants(q, tiles, causal, key_start, window)
     return Launch(_split_kv_kernel, grid, args, constants)
 
 
 def backward_launches(
     q, k, v, d_out, logsumexp, delta, dq, dk, dv, *, causal, scale, tiles,
-    key_start=None,
+    key_start=None, window=None,
 ):  # fmt: skip
     """The two backward kernels' launches; ``tiles`` maps each kernel's
     name to its :class:`Tiles`. q, d_out, dq share one layout, and k, v,
@@ -514,7 +545,7 @@ def backward_launches(
             *q.stride(), *k.stride(), *sizes)  # fmt: skip
     dk_dv = Launch(
         _backward_dk_dv_kernel, grid, args,
-        _constants(q, by_keys, causal, key_start),
+        _constants(q, by_keys, causal, key_start, window),
     )  # fmt: skip
     by_queries = tiles["backward_dq"]
     grid = (triton.cdiv(t_q, by_queries.block_q), batch * heads)
@@ -522,7 +553,7 @@ def backward_launches(
             *q.stride(), *k.stride(), *sizes)  # fmt: skip
     dq_launch = Launch(
         _backward_dq_kernel, grid, args,
-        _constants(q, by_queries, causal, key_start),
+        _constants(q, by_queries, causal, key_start, window),
     )  # fmt: skip
     return dk_dv, dq_launch
 
@@ -542,6 +573,7 @@ def attention_forward(
     block_k: int | None = None,
     key_start: Tensor | None = None,
     sinks: Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The forward kernel: ``(out, logsumexp)``, (B, H, T_q, d_k), (B, H, T_q).
 
@@ -552,6 +584,7 @@ def attention_forward(
     """
     scale = _check_inputs(q, k, v, scale, block_q, block_k)
     key_start = check_key_start(key_start, q)
+    window = check_window(window)
     if sinks is not None:
         sinks = _check_sinks(sinks, q).float().contiguous()
     tiles = _tiles(q, "forward", block_q, block_k, None)
@@ -559,7 +592,7 @@ def attention_forward(
     logsumexp = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     forward_launch(
         q, k, v, out, logsumexp, causal=causal, scale=scale, tiles=tiles,
-        key_start=key_start, sinks=sinks,
+        key_start=key_start, sinks=sinks, window=window,
     )()  # fmt: skip
     return out, logsumexp
 
@@ -577,10 +610,12 @@ def attention_backward(
     block_q: int | None = None,
     block_k: int | None = None,
     key_start: Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Run the backward kernels: ``(dq, dk, dv)`` of ``sum(d_out * out)``."""
     scale = _check_inputs(q, k, v, scale, block_q, block_k)
     key_start = check_key_start(key_start, q)
+    window = check_window(window)
     tiles = {
         name: _tiles(q, name, block_q, block_k, None)
         for name in ("backward_dk_dv", "backward_dq")
@@ -593,6 +628,7 @@ def attention_backward(
     for launch in backward_launches(
         q, k, v, d_out, logsumexp, delta, dq, dk, dv,
         causal=causal, scale=scale, tiles=tiles, key_start=key_start,
+        window=window,
     ):  # fmt: skip
         launch()
     return dq, dk, dv
@@ -608,6 +644,7 @@ def split_kv_forward(
     num_splits: int | None = None,
     block_k: int | None = None,
     key_start: Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Split-KV attention ("Flash-Decoding"): ``(out, logsumexp)``.
 
@@ -615,10 +652,12 @@ def split_kv_forward(
     :func:`default_num_splits`); one program per (split, query tile, batch,
     head) writes its range's output and logsumexp, and
     :func:`merge_partials` merges them. Meant for few queries and a long
-    cache. No gradient. ``key_start``: as in :func:`attention_forward`.
+    cache. No gradient. ``key_start``, ``window``: as in
+    :func:`attention_forward`.
     """
     scale = _check_inputs(q, k, v, scale, None, block_k)
     key_start = check_key_start(key_start, q)
+    window = check_window(window)
     tiles = _tiles(q, "split_kv", None, block_k, None)
     (batch, heads, t_q, d_k), t_k = q.shape, k.shape[2]
     if num_splits is None:
@@ -635,6 +674,7 @@ def split_kv_forward(
         split_kv_launch(
             q, k, v, partial, partial_lse, causal=causal, scale=scale,
             tiles=tiles, keys_per_split=keys_per_split, key_start=key_start,
+            window=window,
         )()  # fmt: skip
         out, logsumexp = merge_partials(partial, partial_lse)
     return out.to(q.dtype), logsumexp
@@ -674,11 +714,12 @@ class TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, q, k, v, causal, scale, block_q, block_k, key_start, sinks=None
-    ):
+        ctx, q, k, v, causal, scale, block_q, block_k, key_start, sinks=None,
+        window=None,
+    ):  # fmt: skip
         settings = dict(
             causal=causal, scale=scale, block_q=block_q, block_k=block_k,
-            key_start=key_start,
+            key_start=key_start, window=window,
         )  # fmt: skip
         out, logsumexp = attention_forward(q, k, v, **settings, sinks=sinks)
         ctx.save_for_backward(q, k, v, out, logsumexp, sinks)
@@ -694,7 +735,7 @@ class TritonAttention(torch.autograd.Function):
         d_sinks = None
         if sinks is not None and ctx.needs_input_grad[8]:
             d_sinks = _sink_gradient(sinks, out, logsumexp, d_out)
-        return (*grads, None, None, None, None, None, d_sinks)
+        return (*grads, None, None, None, None, None, d_sinks, None)
 
 
 def triton_attention(
@@ -708,6 +749,7 @@ def triton_attention(
     block_k: int | None = None,
     key_start: Tensor | None = None,
     sinks: Tensor | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """softmax(q k^T * scale) v by the Triton kernels, differentiable.
 
@@ -731,13 +773,18 @@ def triton_attention(
         sinks: (H,) learned sink logits (gpt-oss), one more term in each
             row's softmax with no value (:func:`mha.flash.flash_attention`);
             differentiable. None: no sinks.
+        window: a positive int, or None: query i sees only its ``window``
+            newest keys, its own included (keys j > i + T_k - T_q -
+            window; a sliding window); the key tiles before every query's
+            window are skipped, forward and backward.
 
     Returns:
         (B, H, T_q, d_k), in the inputs' dtype.
     """
     return TritonAttention.apply(
-        q, k, v, bool(causal), scale, block_q, block_k, key_start, sinks
-    )
+        q, k, v, bool(causal), scale, block_q, block_k, key_start, sinks,
+        window,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
