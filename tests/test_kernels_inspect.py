@@ -58,8 +58,6 @@ def test_bad_arguments_are_refused_with_a_reason() -> None:
     assert completed.returncode == 2 and "between 1 and 256" in completed.stderr
     completed = _run("--inspect", "--mask", "sliding", timeout=120)
     assert completed.returncode == 2 and "mask must be among causal, full" in completed.stderr
-    completed = _run("--inspect", "--window", "--kernel", "forward", timeout=120)
-    assert completed.returncode == 2 and "only the paged kernel takes a window" in completed.stderr
 
 
 def test_forward_kernel_compiles_for_a100_and_h100(tmp_path: Path) -> None:
@@ -145,6 +143,9 @@ def _triton_version() -> str:
     return triton.__version__
 
 
+KERNEL_NAMES = ("forward", "backward_dk_dv", "backward_dq", "split_kv", "paged")
+
+
 def _committed() -> dict:
     files = sorted((ROOT / "benchmarks").glob("kernels_2*.json"))
     assert files, "no committed results of python -m mha.kernels --inspect"
@@ -225,19 +226,21 @@ def test_committed_inspection_with_key_starts_has_no_spills() -> None:
 
 
 def test_committed_inspection_with_a_window_has_no_spills() -> None:
-    # The paged kernel with a sliding window (python -m mha.kernels --inspect --window), without
-    # key starts (the serving engine's launch) and with them (a left-padded batch, as the
-    # model's Mistral path has): 2 GPUs x 3 dtypes x 6 head sizes each; the kernels that take no
-    # window are left out. None may spill.
+    # Every kernel with a sliding window (python -m mha.kernels --inspect --window), without key
+    # starts (the serving engine's launch) and with them (a left-padded batch, as the model's
+    # Mistral path has): 2 GPUs x 3 dtypes x 6 head sizes, causal and not (the paged kernel
+    # causal by its lengths). None may spill.
     files = sorted((ROOT / "benchmarks").glob("kernels_window_2*.json"))
     assert files, "no committed results of python -m mha.kernels --inspect --window"
     result = json.loads(files[-1].read_text())
     rows = result["builds"]
-    assert {row["kernel"] for row in rows} == {"paged"}
-    assert all(row["window"] and row["causal"] for row in rows)
-    builds = {(r["arch"], r["dtype"], r["head_dim"], r["key_start"]) for r in rows}
-    assert len(builds) == len(rows) == 2 * 3 * 6 * 2
-    assert sum(row["key_start"] for row in rows) == 2 * 3 * 6  # and 36 with the window alone
+    assert {row["kernel"] for row in rows} == set(KERNEL_NAMES)
+    assert all(row["window"] for row in rows)
+    assert all(row["causal"] for row in rows if row["kernel"] == "paged")
+    builds = {(r["kernel"], r["arch"], r["dtype"], r["head_dim"], r["causal"], r["key_start"])
+              for r in rows}  # fmt: skip
+    assert len(builds) == len(rows) == (4 * 2 + 1) * 2 * 3 * 6 * 2
+    assert sum(row["key_start"] for row in rows) == len(rows) // 2
     for row in rows:
         assert row["spill_bytes"] == 0 and row["stack_bytes"] == 0, row
         assert row["shared_bytes"] <= LIMITS[row["arch"]], row
@@ -250,14 +253,13 @@ def test_the_window_builds_pass_the_window() -> None:
     import torch
     from mha.kernels.aot import EXAMPLE_WINDOW, example_launches
 
-    for key_start in (False, True):
-        (launch,) = example_launches(
-            "paged", torch.float16, 64, 90, key_start=key_start, window=True
-        )
-        assert launch.constants["HAS_WINDOW"] is True
-        assert launch.constants["window"] == EXAMPLE_WINDOW
-        assert launch.constants.get("HAS_KEY_START", False) is key_start
-    (launch,) = example_launches("paged", torch.float16, 64, 90, key_start=True)
-    assert "HAS_WINDOW" not in launch.constants and "window" not in launch.constants
-    with pytest.raises(ValueError, match="only the paged kernel"):
-        example_launches("forward", torch.float16, 64, 90, window=True)
+    for kernel in ("paged", "forward", "backward_dk_dv", "backward_dq", "split_kv"):
+        for key_start in (False, True):
+            (launch,) = example_launches(
+                kernel, torch.float16, 64, 90, key_start=key_start, window=True
+            )
+            assert launch.constants["HAS_WINDOW"] is True
+            assert launch.constants["window"] == EXAMPLE_WINDOW
+            assert launch.constants.get("HAS_KEY_START", False) is key_start
+        (launch,) = example_launches(kernel, torch.float16, 64, 90, key_start=True)
+        assert "HAS_WINDOW" not in launch.constants and "window" not in launch.constants

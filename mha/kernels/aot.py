@@ -78,8 +78,9 @@ EXAMPLE = {"batch": 4, "heads": 32, "kv_heads": 8, "t": 4096}
 # argument equal to 1.
 EXAMPLE_WINDOW = 4096
 
-#: The kernels that take a sliding window (``--window`` compiles these only).
-WINDOWED = ("paged",)
+#: The kernels that take a sliding window (``--window`` compiles these only):
+#: every one.
+WINDOWED = ("forward", "backward_dk_dv", "backward_dq", "split_kv", "paged")
 
 # One SASS instruction each: the destination registers come first, then A.
 HMMA = re.compile(r"\bHMMA\.")
@@ -98,12 +99,12 @@ def example_launches(
     """The launch(es) of ``kernel`` that :mod:`mha.kernels.attention` makes,
     with its default tiles for the target, on meta tensors; ``key_start``:
     with per-row key starts (a left-padded batch); ``window``: with a
-    sliding window of ``EXAMPLE_WINDOW`` keys (the paged kernel only)."""
+    sliding window of ``EXAMPLE_WINDOW`` keys."""
     batch, heads, kv_heads, t = EXAMPLE.values()
     major = (capability // 10, capability % 10)
     if window and kernel not in WINDOWED:
         raise ValueError(
-            f"only the paged kernel takes a sliding window, not {kernel!r}"
+            f"kernel must take a sliding window ({WINDOWED}), got {kernel!r}"
         )
 
     def tensor(h, length, d=head_dim, kind=dtype):
@@ -120,6 +121,7 @@ def example_launches(
         causal=causal,
         scale=head_dim**-0.5,
         key_start=starts if key_start else None,
+        window=EXAMPLE_WINDOW if window else None,
     )
     if kernel == "forward":
         return [kernels.forward_launch(q, k, v, q, lse, tiles=tiles, **common)]
