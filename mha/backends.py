@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -506,6 +507,13 @@ def _transformers_attention(name: str):
         if refused:
             raise ValueError(
                 f"the {name!r} backend does not implement {sorted(refused)}"
+            )
+        if kwargs.get("output_attentions", False):  # as transformers' sdpa
+            warnings.warn(
+                f"the {name!r} backend computes no attention weights: "
+                "output_attentions=True returns None for them; use "
+                "attn_implementation='eager' for the weights",
+                stacklevel=2,
             )
         causal = getattr(module, "is_causal", True)
         causal = causal if is_causal is None else bool(is_causal)

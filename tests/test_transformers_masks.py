@@ -106,3 +106,15 @@ def test_flash_attentions_varlen_arguments_are_refused_by_name() -> None:
     cu = torch.tensor([0, 2, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"\['cu_seq_lens_k', 'cu_seq_lens_q'\]"):
         attention(module, q, q, q, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
+def test_output_attentions_warns_that_no_weights_are_computed() -> None:
+    # transformers' own sdpa warns; our backends say so too, rather than return None silently.
+    from mha.backends import _transformers_attention
+
+    q = torch.zeros(1, 2, 4, 16)
+    with pytest.warns(UserWarning, match="computes no attention weights"):
+        _, weights = _transformers_attention("tiled")(
+            torch.nn.Module(), q, q, q, None, output_attentions=True
+        )
+    assert weights is None
