@@ -1,8 +1,8 @@
 """mha: multi-head attention from one head to the GPU.
 
-The package behind the book. Each module has one purpose; README.md's table of
-rooms lists every module with the chapters that import it and the tests that
-pin it (``tests/test_rooms.py`` keeps the table true):
+The package behind the book. Each module has one purpose; CONTRIBUTING.md's
+table of rooms lists every module with the chapters that import it and the
+tests that pin it (``tests/test_rooms.py`` keeps the table true):
 
 * :mod:`mha.reference` - the math, in NumPy
 * :mod:`mha._validate` - the one error policy and the shared checks

@@ -192,3 +192,15 @@ def test_ci_runs_nbval_under_another_instruction_set(monkeypatch):
         assert "X86_V2" not in disabled  # NumPy's baseline cannot be disabled
         has_avx2 = "X86_V3" in other.__cpu_dispatch__ and other.__cpu_features__.get("X86_V3")
         assert ("X86_V3" in disabled) == (level == "default" and bool(has_avx2))
+
+
+def test_the_readme_is_for_the_reader_and_contributing_holds_the_rest():
+    # The README: what the book is, the two commands, reading, running, the package in ten lines,
+    # where to go next, under 8,000 characters; the rooms and how to contribute are elsewhere.
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme) < 8000, len(readme)
+    for words in ("make book", "make test", "make lab", "make gpu-check", "CONTRIBUTING.md"):
+        assert words in readme, words
+    contributing = (ROOT / "CONTRIBUTING.md").read_text()
+    assert "## Rooms: which module, which chapter, which tests" in contributing
+    assert "### Adding a chapter" in contributing and "Rooms" not in readme

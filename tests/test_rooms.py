@@ -1,5 +1,5 @@
-"""The package's rooms: the README's table lists every module with the chapters that import it,
-and no module imports another module's private names."""
+"""The package's rooms: CONTRIBUTING.md's table lists every module with the chapters that import
+it, and no module imports another module's private names."""
 
 from __future__ import annotations
 
@@ -82,9 +82,9 @@ def _chapters_importing() -> dict[str, set[str]]:
 
 
 def _table() -> dict[str, tuple[str, str]]:
-    """README's table of rooms: module -> (chapters column, tests column)."""
+    """CONTRIBUTING's table of rooms: module -> (chapters column, tests column)."""
     rows = {}
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in (ROOT / "CONTRIBUTING.md").read_text().splitlines():
         match = re.match(r"^\| `(mha/[^`]+)` \|.*\| ([^|]+) \| ([^|]+) \|$", line)
         if match:
             rows[match.group(1)] = (match.group(2).strip(), match.group(3).strip())
@@ -102,9 +102,9 @@ def _chapter_numbers(text: str) -> set[str]:
 def test_the_table_of_rooms_lists_every_module() -> None:
     table = _table()
     missing = sorted(_rooms() - set(table))
-    assert not missing, f"README's table of rooms has no row for {missing}"
+    assert not missing, f"CONTRIBUTING's table of rooms has no row for {missing}"
     gone = sorted(set(table) - _rooms())
-    assert not gone, f"README's table of rooms lists modules that do not exist: {gone}"
+    assert not gone, f"CONTRIBUTING's table of rooms lists modules that do not exist: {gone}"
 
 
 def test_the_table_names_the_chapters_that_import_each_module() -> None:

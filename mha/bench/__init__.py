@@ -15,7 +15,7 @@ beside them), the one
 measurement loop (:mod:`~mha.bench.timing`), :mod:`~mha.bench.memory`,
 :mod:`~mha.bench.report`, :mod:`~mha.bench.cli` (the environment of a run:
 :mod:`mha.environment`).
-README.md says how to add an entry or a benchmark.
+CONTRIBUTING.md says how to add an entry or a benchmark.
 """
 
 from __future__ import annotations
