@@ -401,9 +401,8 @@ def part_attention(budget: float, args) -> dict:
                     )
                     for _ in range(4)
                 )
-                with (
-                    torch.no_grad()
-                ):  # float32 reference (SDPA, efficient kernel)
+                # the float32 reference: SDPA's efficient kernel
+                with torch.no_grad():
                     exact = torch.nn.functional.scaled_dot_product_attention(
                         q.float(), k.float(), v.float(), is_causal=causal
                     )
