@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -188,6 +189,7 @@ def test_ci_runs_nbval_under_another_instruction_set(monkeypatch):
         monkeypatch.setattr(other.torch.backends.cpu, "get_cpu_capability", lambda own=own: own)
         env = other.other_isa()
         assert env["ATEN_CPU_CAPABILITY"] == level
+        assert env["ONEDNN_MAX_CPU_ISA"] == {"avx2": "AVX2", "default": "SSE41"}[level]
         disabled = env["NPY_DISABLE_CPU_FEATURES"].split()
         assert "X86_V2" not in disabled  # NumPy's baseline cannot be disabled
         has_avx2 = "X86_V3" in other.__cpu_dispatch__ and other.__cpu_features__.get("X86_V3")
@@ -204,3 +206,27 @@ def test_the_readme_is_for_the_reader_and_contributing_holds_the_rest():
     contributing = (ROOT / "CONTRIBUTING.md").read_text()
     assert "## Rooms: which module, which chapter, which tests" in contributing
     assert "### Adding a chapter" in contributing and "Rooms" not in readme
+
+
+def test_bfloat16_attention_runs_under_the_other_instruction_set():
+    # An AVX-512/AMX CPU forced to torch's AVX2 kernels must not take the AMX packing road that no
+    # real AVX2 CPU takes: the environment nbval_other_isa.py sets runs bfloat16 SDPA.
+    import importlib.util
+    import subprocess
+    import sys
+
+    spec = importlib.util.spec_from_file_location("other", ROOT / "tests" / "nbval_other_isa.py")
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    env = other.other_isa()
+    env.pop("own")
+    code = (
+        "import torch, torch.nn.functional as F\n"
+        "q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)\n"
+        "print(F.scaled_dot_product_attention(q, q, q).shape)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-800:]
+    assert "torch.Size([1, 2, 8, 16])" in run.stdout
