@@ -12,12 +12,21 @@ runs without a mask it was given.
 
 The kinds (:data:`MASK_KINDS`): ``causal`` (query i sees keys up to its own
 position), ``window`` (and only the ``window`` newest of them),
-``padding`` (a (B, T_k) key-padding mask: False at a pad), ``dense`` (any
-boolean mask broadcastable to (B, H, T_q, T_k)) and ``offset`` (the
-queries' position and the keys written are tensors: a compiled decode step
-over a whole preallocated cache). A mask that hides nothing is no kind: a
-single newest query needs no causal mask, a window wider than every
-distance no window.
+``padding`` (a (B, T_k) key-padding mask: False at a pad; or one first key
+per row, a left-padded batch), ``dense`` (any boolean mask broadcastable to
+(B, H, T_q, T_k)), ``offset`` (the queries' position and the keys written
+are tensors: a compiled decode step over a whole preallocated cache) and
+``sinks`` (a learned logit per head, one more term in each row's softmax,
+gpt-oss's). A mask that hides nothing is no kind: a single newest query
+needs no causal mask, a window wider than every distance no window.
+
+One road: an attention layer makes one call, :func:`attend` with its
+backend's name, q, k, v, the masking and its cache (or none). The backend
+decides where the keys come from: a paged cache is only written and its
+blocks read in place by a backend with a paged kernel, gathered for any
+other; a preallocated cache is handed whole to a backend that wants one
+shape every step; a serving step's pools split the step by request
+(:mod:`mha.serving.layer`).
 
 Backends: ``eager`` (the written-out softmax, :func:`grouped_attention`, which
 :mod:`mha.decoding` re-exports), ``sdpa`` (``F.scaled_dot_product_attention``),
@@ -38,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._validate import check_same, check_tensor
+from .caches import Cache, KVCache, PagedKVCache, cached_so_far
 
 __all__ = [
     "MASK_KINDS",
@@ -53,7 +63,7 @@ __all__ = [
     "register_transformers_backends",
 ]
 
-MASK_KINDS = ("causal", "window", "padding", "dense", "offset")
+MASK_KINDS = ("causal", "window", "padding", "dense", "offset", "sinks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +74,13 @@ class Masking:
     i`` (default ``T_k - T_q``, aligned bottom-right). ``causal``: it sees
     keys up to its own index; ``window``: only keys j with ``i' - j <
     window`` (i' its index; Mistral's sliding window); ``padding`` (B, T_k)
-    bool, False at a pad key; ``dense`` bool broadcastable to (B, H, T_q,
-    T_k), True = may attend; ``key_end``: keys from this index on are not
-    written yet (a compiled step reads a whole preallocated cache).
+    bool, False at a pad key; ``key_start`` (B,) int32, each row's first
+    key, where the padding is a left-padded batch's (:meth:`padded`, once
+    per forward: the kernels take it so); ``dense`` bool broadcastable to
+    (B, H, T_q, T_k or more), True = may attend; ``key_end``: keys from this
+    index on are not written yet (a compiled step reads a whole preallocated
+    cache); ``sinks`` (H,): a learned logit per head, a key of its own with
+    a zero value.
     """
 
     causal: bool = True
@@ -75,6 +89,30 @@ class Masking:
     key_end: int | Tensor | None = None
     padding: Tensor | None = None
     dense: Tensor | None = None
+    key_start: Tensor | None = None
+    sinks: Tensor | None = None
+
+    @classmethod
+    def padded(cls, padding: Tensor | None, **fields) -> Masking:
+        """The masking of a batch with ``padding`` (B, T_k), 1 or True at a
+        token: None where every key is a token; with ``key_start`` too where
+        it is left-padded (zeros, then ones). Reads the mask on the host
+        once, for every layer of a forward."""
+        if padding is None:
+            return cls(**fields)
+        padding = padding.to(torch.bool)
+        if torch.compiler.is_compiling():
+            return cls(padding=padding, **fields)
+        ones = padding.to(torch.int32)  # (B, T_k)
+        left = (ones[:, 1:] >= ones[:, :-1]).all()  # zeros, then ones
+        kept = ones.sum(dim=1)  # (B,) tokens per row
+        left, every = (bool(x) for x in torch.stack(
+            (left, (kept == padding.shape[1]).all())
+        ).tolist())  # fmt: skip
+        if every:
+            return cls(**fields)
+        key_start = (padding.shape[1] - kept).to(torch.int32) if left else None
+        return cls(padding=padding, key_start=key_start, **fields)
 
     def offset(self, t_q: int, t_k: int) -> int | Tensor:
         """The key index of the first query."""
@@ -94,10 +132,12 @@ class Masking:
         span = t_k if isinstance(offset, Tensor) else offset + t_q
         if self.window is not None and self.window < span:
             kinds.add("window")
-        if self.padding is not None:
+        if self.padding is not None or self.key_start is not None:
             kinds.add("padding")
         if self.dense is not None:
             kinds.add("dense")
+        if self.sinks is not None:
+            kinds.add("sinks")
         return kinds
 
     def keep(self, t_q: int, t_k: int, device: torch.device) -> Tensor | None:
@@ -118,9 +158,20 @@ class Masking:
         keep = keep[None, None]  # (1, 1, T_q, T_k)
         if self.padding is not None:
             keep = keep & self.padding[:, None, None, :t_k]  # (B, 1, ., T_k)
+        elif self.key_start is not None:  # (B, 1, 1, T_k)
+            keep = keep & (key >= self.key_start[:, None])[:, None, None]
         if self.dense is not None:
-            keep = keep & self.dense
+            keep = keep & self.dense[..., :t_k]
         return keep
+
+    def first_keys(self, t_k: int) -> Tensor | None:
+        """(B,) int32, each row's first key, for a kernel that takes left
+        padding so; None without padding."""
+        if self.key_start is not None or self.padding is None:
+            return self.key_start
+        from .functional import key_start_from_attention_mask
+
+        return key_start_from_attention_mask(self.padding[:, :t_k])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,14 +183,17 @@ class Backend:
     masks: frozenset[str]
     summary: str
     #: ``paged(q, k_pool, v_pool, block_table, seq_lens, *, key_start,
-    #: window) -> out``: attention over a paged cache read where its blocks
-    #: lie (:meth:`mha.PagedKVCache.pages`), or None (the blocks gathered)
+    #: window, max_seq_len=None) -> out``: attention over a paged cache
+    #: read where its blocks lie (:meth:`mha.PagedKVCache.pages`), or None
+    #: (the blocks gathered); ``max_seq_len`` given: nothing read back
     paged: Callable[..., Tensor] | None = None
     #: True: handed a preallocated cache whole (:class:`mha.KVCache`'s
     #: max_len keys, the unwritten ones after the queries, hidden by the
     #: causal mask), so that a kernel compiled for one shape serves every
     #: decoding step
     whole_cache: bool = False
+    #: True: drops attention weights in training (``dropout_p``)
+    dropout: bool = False
 
 
 #: name -> :class:`Backend`, in the order of registration.
@@ -153,19 +207,19 @@ def register(
     summary: str,
     paged: Callable[..., Tensor] | None = None,
     whole_cache: bool = False,
+    dropout: bool = False,
 ):
     """Decorator: ``function(q, k, v, masking) -> out`` as backend ``name``,
     taking the kinds of mask ``masks`` (of :data:`MASK_KINDS`); ``paged``:
     its kernel for a paged cache, if it has one; ``whole_cache``: see
-    :class:`Backend`."""
+    :class:`Backend`; ``dropout``: ``function`` takes ``dropout_p``."""
     unknown = set(masks) - set(MASK_KINDS)
     if unknown:
         raise ValueError(f"masks must be among {MASK_KINDS}, got {unknown}")
 
     def add(function):
-        BACKENDS[name] = Backend(
-            name, function, frozenset(masks), summary, paged, whole_cache
-        )
+        BACKENDS[name] = Backend(name, function, frozenset(masks), summary,
+                                 paged, whole_cache, dropout)  # fmt: skip
         return function
 
     return add
@@ -187,11 +241,28 @@ def get_backend(name: str) -> Backend:
 
 
 def attend(
-    name: str, q: Tensor, k: Tensor, v: Tensor, masking: Masking
+    name: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    masking: Masking = Masking(),  # noqa: B008 (frozen: shared safely)
+    cache: Cache | None = None,
+    *,
+    dropout_p: float = 0.0,
 ) -> Tensor:
     """Attention by backend ``name``: (B, H, T_q, d_k), after one check of
-    q, k, v (:func:`check_qkv`) and of the mask kinds the backend takes."""
+    q, k, v (:func:`check_qkv`) and of the mask kinds the backend takes.
+
+    With a ``cache``, k and v (B, H_kv, T_q, d_k) are the new keys and
+    values: the cache stores them, and the backend reads every key, where
+    it lies or gathered (see the module). ``dropout_p``: attention weights
+    dropped, by a backend that can (``eager``, ``sdpa``)."""
     backend = get_backend(name)
+    if cache is not None:
+        served = _through_cache(backend, q, k, v, masking, cache)
+        if isinstance(served, Tensor):  # read in place
+            return served
+        k, v, masking = served
     check_qkv(q, k, v)
     needed = masking.kinds(q.shape[2], k.shape[2]) - backend.masks
     if needed:
@@ -200,7 +271,54 @@ def attend(
             f"(it takes {sorted(backend.masks) or 'none'}): choose another "
             f"backend, of {attention_backends()}"
         )
+    if dropout_p:
+        if not backend.dropout:
+            raise ValueError(
+                f"the {name!r} attention backend drops no attention weights,"
+                f" got dropout_p = {dropout_p} (call model.eval(), or choose"
+                " 'eager' or 'sdpa')"
+            )
+        return backend.function(q, k, v, masking, dropout_p=dropout_p)
     return backend.function(q, k, v, masking)
+
+
+def _through_cache(backend: Backend, q, k, v, masking: Masking, cache):
+    """The new k, v through ``cache``: the attention, where the backend
+    reads the cache in place; else every key and value and the masking
+    that reads them."""
+    serve = getattr(cache, "serve", None)
+    if serve is not None:  # a serving step: its plan splits it by request
+        return serve(backend, q, k, v, masking)
+    compiling = torch.compiler.is_compiling()
+    in_place = masking.dense is None and masking.sinks is None
+    t_q = q.shape[2]
+    if (
+        in_place
+        and backend.paged is not None
+        and isinstance(cache, PagedKVCache)
+        and not compiling
+    ):  # only the new keys written: the kernel reads the pool
+        cache.write(k, v)
+        return backend.paged(  # the cache's own table: no read, no check
+            q, *cache.pages(), key_start=masking.first_keys(len(cache)),
+            window=masking.window, max_seq_len=len(cache),
+        )  # fmt: skip
+    start = cached_so_far(cache)  # the first new query's index
+    k, v = cache.update(k, v)  # (B, H_kv, T_k, d_k)
+    if compiling:  # every slot of the cache; those after the new, hidden
+        end = start + t_q
+        return k, v, dataclasses.replace(masking, q_offset=start, key_end=end)
+    if len(cache) < cache.seen:  # a cache that forgets keeps the window
+        return k, v, dataclasses.replace(masking, window=None)
+    if in_place and backend.whole_cache and isinstance(cache, KVCache):
+        padding = masking.padding  # the slots not written: causal hides
+        if padding is not None:
+            padding = F.pad(padding, (0, cache.max_len - padding.shape[1]),
+                            value=True)  # fmt: skip
+        masking = dataclasses.replace(masking, q_offset=start,
+                                      padding=padding)  # fmt: skip
+        return cache.keys, cache.values, masking  # (B, H_kv, max_len, d_k)
+    return k, v, masking
 
 
 def check_qkv(q: object, k: object, v: object) -> None:
@@ -264,33 +382,64 @@ def _grouped(keep: Tensor, num_kv_heads: int, group: int) -> Tensor:
     return keep.unflatten(1, (num_kv_heads, group))  # (., H_kv, G, ., T_k)
 
 
-@register("eager", masks=MASK_KINDS, summary="softmax(QK^T/sqrt(d))V")
-def eager(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
+@register(
+    "eager", masks=MASK_KINDS[:5], summary="softmax(QK^T/sqrt(d))V",
+    dropout=True,
+)  # fmt: skip
+def eager(
+    q: Tensor, k: Tensor, v: Tensor, masking: Masking, dropout_p=0.0
+) -> Tensor:
     """The book's written-out attention; a row with no key gets zeros."""
-    return grouped_attention(
-        q, k, v, masking.keep(q.shape[2], k.shape[2], q.device)
-    )
+    keep = masking.keep(q.shape[2], k.shape[2], q.device)
+    return grouped_attention(q, k, v, keep, dropout_p=dropout_p)
 
 
-@register("sdpa", masks=MASK_KINDS, summary="F.scaled_dot_product_attention")
-def sdpa(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
+@register(
+    "sdpa", masks=MASK_KINDS, summary="F.scaled_dot_product_attention",
+    dropout=True,
+)  # fmt: skip
+def sdpa(
+    q: Tensor, k: Tensor, v: Tensor, masking: Masking, dropout_p=0.0
+) -> Tensor:
     """torch's fused attention; a row with no key gets zeros (SDPA alone
     would give NaN, which a pad's keys would carry into later layers)."""
     t_q, t_k = q.shape[2], k.shape[2]
     kinds = masking.kinds(t_q, t_k)
     if kinds == {"causal"} and t_q == t_k:  # SDPA's own (top-left) flag
         return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=True
+            q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=True
         )
     keep = masking.keep(t_q, t_k, q.device)
+    if "sinks" in kinds:
+        return _with_sinks(q, k, v, keep, masking.sinks, dropout_p)
     seen = None
     if kinds & {"padding", "dense", "offset"}:  # rows may have no key
         seen = keep.any(dim=-1, keepdim=True)  # (B or 1, ., T_q, 1)
         keep = keep | ~seen
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=keep, enable_gqa=True
+        q, k, v, attn_mask=keep, dropout_p=dropout_p, enable_gqa=True
     )
     return out if seen is None else out * seen
+
+
+def _with_sinks(q, k, v, keep, sinks: Tensor, dropout_p: float) -> Tensor:
+    """Attention with a sink per head: a last key of zeros whose score is
+    the head's logit, and whose value is zeros (gpt-oss's ``sinks``), as a
+    float mask (B or 1, H, T_q, T_k + 1): 0 or -inf, the sink's logit in
+    the last column."""
+    t_q, t_k = q.shape[2], k.shape[2]
+    if keep is None:
+        keep = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device)
+    keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
+    bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
+    bias = bias.masked_fill(~keep, -math.inf)  # (B or 1, H or 1, T, T_k)
+    bias = bias.expand(keep.shape[0], q.shape[1], t_q, t_k)
+    sink = sinks.to(q.dtype).view(1, -1, 1, 1)  # (1, H, 1, 1)
+    bias = torch.cat((bias, sink.expand(bias.shape[0], -1, t_q, 1)), -1)
+    k, v = (F.pad(t, (0, 0, 0, 1)) for t in (k, v))  # the sink's: zeros
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=bias, dropout_p=dropout_p, enable_gqa=True
+    )
 
 
 @register(
@@ -312,13 +461,13 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
 
 
 def _triton_paged(q, k_pool, v_pool, block_table, seq_lens, *, key_start,
-                  window) -> Tensor:  # fmt: skip
+                  window, max_seq_len=None) -> Tensor:  # fmt: skip
     """The paged kernel (chapter 17): keys and values read in the pool."""
     from . import kernels
 
     return kernels.triton_paged_attention(
         q, k_pool, v_pool, block_table, seq_lens, key_start=key_start,
-        window=window,
+        window=window, max_seq_len=max_seq_len,
     )  # fmt: skip
 
 
@@ -358,8 +507,6 @@ def _sliced(run, q: Tensor, k: Tensor, v: Tensor, masking: Masking):
     """A kernel that takes bottom-right causal attention, a key start per
     row (left padding) and a sliding window, whose tiles before a query
     tile's window it skips. ``run(q, k, v, causal, key_start, window)``."""
-    from .functional import key_start_from_attention_mask
-
     t_q, t_k = q.shape[2], k.shape[2]
     kinds = masking.kinds(t_q, t_k)
     offset = masking.offset(t_q, t_k)
@@ -368,10 +515,9 @@ def _sliced(run, q: Tensor, k: Tensor, v: Tensor, masking: Masking):
             "q_offset must be T_k - T_q (the queries are the newest) for a "
             f"tiled kernel, got {offset} with T_q, T_k = {t_q}, {t_k}"
         )
-    key_start = None
-    if masking.padding is not None:  # (B,) int32: each row's first key
-        padding = masking.padding[:, :t_k]
-        key_start = key_start_from_attention_mask(padding).to(q.device)
+    key_start = masking.first_keys(t_k)  # (B,) int32, or None
+    if key_start is not None:
+        key_start = key_start.to(q.device)
     window = masking.window if "window" in kinds else None
     return run(q, k, v, "causal" in kinds, key_start, window)
 
@@ -418,8 +564,12 @@ def flex(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     if masking.padding is not None:
         padding = masking.padding[:, :t_k].to(q.device)
         parts.append(lambda b, h, q_idx, kv_idx: padding[b, kv_idx])
+    elif masking.key_start is not None:
+        first = masking.key_start.to(q.device)
+        parts.append(lambda b, h, q_idx, kv_idx: kv_idx >= first[b])
     if masking.dense is not None:
-        dense = masking.dense.expand(q.shape[0], q.shape[1], t_q, t_k)
+        dense = masking.dense[..., :t_k]
+        dense = dense.expand(q.shape[0], q.shape[1], t_q, t_k)
         parts.append(lambda b, h, q_idx, kv_idx: dense[b, h, q_idx - offset,
                                                        kv_idx])  # fmt: skip
 
@@ -430,7 +580,7 @@ def flex(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
             keep = keep & part(b, h, at, kv_idx)
         return keep
 
-    per_row = masking.padding is not None or masking.dense is not None
+    per_row = "padding" in kinds or masking.dense is not None
     heads = q.shape[1] if masking.dense is not None else None
     mask = create_block_mask(
         mask_mod,

@@ -135,7 +135,7 @@ class KVCache:
         slots = self.length + torch.arange(k.shape[2], device=self.device)
         self.keys.index_copy_(2, slots, k)  # in place: nothing copied again
         self.values.index_copy_(2, slots, v)
-        self.length += k.shape[2]
+        _advance(self, k.shape[2])
         if torch.compiler.is_compiling():
             return self.keys, self.values
         end = len(self)
@@ -151,11 +151,11 @@ class KVCache:
 
     def reset(self) -> None:
         """Forget every cached token (the memory stays allocated)."""
-        self.length.zero_()
+        _set_length(self, 0)
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` cached tokens and forget the rest."""
-        self.length.fill_(_check_truncate(length, len(self)))
+        _set_length(self, _check_truncate(length, len(self)))
 
     def check_update(
         self,
@@ -257,6 +257,13 @@ class PagedKVCache:
     T_k, d_k) for attention that takes keys in a row, while :meth:`write`
     stores the new keys only, for a kernel that reads the blocks where they
     lie (:meth:`pages`).
+
+    ``share_table_with``: another layer's paged cache, whose block table,
+    allocator and rows this one shares (a model's layers, made by
+    :meth:`mha.CausalLM.new_caches`): each layer has its own pools, one
+    table says where every layer's position ``p`` lies, the first layer to
+    write a step takes its blocks, and :meth:`reset`, :meth:`truncate` and
+    :meth:`free` act on every layer that shares it.
     """
 
     def __init__(
@@ -271,11 +278,17 @@ class PagedKVCache:
         allocator: BlockAllocator | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        share_table_with: PagedKVCache | None = None,
     ) -> None:
         dtype = dtype or torch.get_default_dtype()
         _check_cache_args(batch, num_kv_heads, head_dim, dtype)
         self.max_len = check_int("max_len", max_len)
-        if allocator is None:
+        shared = share_table_with
+        if shared is not None:
+            _check_shared(shared, batch, max_len, block_size, num_blocks,
+                          allocator)  # fmt: skip
+            allocator = shared.allocator
+        elif allocator is None:
             block_size = check_int("block_size", block_size or 16)
             if num_blocks is None:  # enough for every row at max_len
                 num_blocks = batch * -(-max_len // block_size)
@@ -283,7 +296,8 @@ class PagedKVCache:
                 check_int("num_blocks", num_blocks), block_size,
                 prefix_caching=False,
             )  # fmt: skip
-        _check_allocator(allocator, block_size, num_blocks)
+        else:
+            _check_allocator(allocator, block_size, num_blocks)
         self.allocator = allocator
         self.num_blocks, self.block_size = (
             allocator.num_blocks,
@@ -300,13 +314,23 @@ class PagedKVCache:
         self.value_blocks = torch.zeros(shape, dtype=dtype, device=device)
         self.dtype, self.device = dtype, self.key_blocks.device
         self.null_block = self.num_blocks  # where a row without a block points
+        self.length = _length_counter(self.device)
+        self._count: tuple[int, int] | None = None  # see _host_count
+        if shared is not None:  # one table: the same tensors, the same rows
+            self.block_table, self.active = shared.block_table, shared.active
+            self._rows, self._live = shared._rows, shared._live
+            self._sharing = shared._sharing
+            self._sharing.append(self)
+            _set_length(self, len(shared))
+            return
         self.block_table = torch.full(
             (batch, self.blocks_per_row), self.null_block,
             dtype=torch.int32, device=self.device,
         )  # (B, blocks per row)  # fmt: skip
-        self.length = _length_counter(self.device)
-        self._count: tuple[int, int] | None = None  # see _host_count
-        self.reset()
+        self.active = torch.ones(batch, dtype=torch.bool, device=self.device)
+        self._rows: list[list[int]] = [[] for _ in range(batch)]  # on host
+        self._live = list(range(batch))  # the rows not freed
+        self._sharing = [self]  # the caches of this table
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v (B, H_kv, T, d_k) into the rows' blocks; return all,
@@ -343,7 +367,7 @@ class PagedKVCache:
         # blocks[b, t], offsets[t] <- k[b, :, t]: (B, T, H_kv, d_k)
         self.key_blocks[blocks, offsets] = k.transpose(1, 2)
         self.value_blocks[blocks, offsets] = v.transpose(1, 2)
-        self.length += T
+        _advance(self, T)
 
     def pages(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(key_blocks, value_blocks, block_table, seq_lens)`` as
@@ -362,20 +386,27 @@ class PagedKVCache:
 
     def reserve(self, new_tokens: int) -> None:
         """Take from the pool the blocks that the next ``new_tokens``
-        positions of every active row need; nothing if the pool is short."""
-        first = -(-len(self) // self.block_size)  # blocks held per row
+        positions of every active row need; nothing if the pool is short,
+        nothing either where a layer sharing the table took them already.
+        The table's rows are kept on the host too: nothing is read back."""
         last = -(-(len(self) + new_tokens) // self.block_size)
-        rows = [b for b, on in enumerate(self.active.tolist()) if on]
-        needed = (last - first) * len(rows)
+        short = {b: last - len(self._rows[b]) for b in self._live}
+        needed = sum(n for n in short.values() if n > 0)
+        if not needed:
+            return
         if needed > self.allocator.num_free:
             raise ValueError(
                 f"the pool has {self.allocator.num_free} free blocks of "
                 f"{self.block_size} positions; {new_tokens} new tokens for "
-                f"{len(rows)} rows need {needed}"
+                f"{len(self._live)} rows need {needed}"
             )
-        for b in rows:
-            for i in range(first, last):
-                self.block_table[b, i] = self.allocator.allocate()
+        for b, n in short.items():
+            if n > 0:
+                first = len(self._rows[b])
+                self._rows[b] += [self.allocator.allocate() for _ in range(n)]
+                self.block_table[b, first:last] = torch.tensor(
+                    self._rows[b][first:], dtype=torch.int32
+                )
 
     def free(self, row: int) -> None:
         """Give row ``row``'s blocks back to the pool: its sequence is done.
@@ -386,6 +417,8 @@ class PagedKVCache:
             raise ValueError(f"row must be < batch = {self.batch}, got {row}")
         self._release(row, 0)
         self.active[row] = False
+        if row in self._live:
+            self._live.remove(row)
 
     @property
     def blocks_in_use(self) -> int:
@@ -401,29 +434,33 @@ class PagedKVCache:
         return len(self)
 
     def reset(self) -> None:
-        """Forget every cached token; every block goes back to the pool."""
-        if self.blocks_in_use:  # (a new cache holds none)
-            for b in range(self.batch):
-                self._release(b, 0)
-        self.active = torch.ones(
-            self.batch, dtype=torch.bool, device=self.device
-        )
-        self.length.zero_()
+        """Forget every cached token, in every layer sharing the table;
+        every block goes back to the pool."""
+        for b in range(self.batch):
+            self._release(b, 0)
+        self.active.fill_(True)
+        self._live[:] = range(self.batch)
+        for cache in self._sharing:
+            _set_length(cache, 0)
 
     def truncate(self, length: int) -> None:
-        """Keep the first ``length`` cached tokens and forget the rest; the
-        blocks past them go back to the pool."""
+        """Keep the first ``length`` cached tokens and forget the rest, in
+        every layer sharing the table; the blocks past them go back to the
+        pool."""
         length = _check_truncate(length, len(self))
         keep = -(-length // self.block_size)
         for b in range(self.batch):
             self._release(b, keep)
-        self.length.fill_(length)
+        for cache in self._sharing:
+            _set_length(cache, min(length, len(cache)))
 
     def _release(self, row: int, keep: int) -> None:
         """Row ``row``'s blocks from index ``keep`` on, back to the pool."""
-        held = [int(i) for i in self.block_table[row, keep:].tolist()]
-        self.allocator.free([i for i in held if i != self.null_block])
-        self.block_table[row, keep:] = self.null_block
+        held = self._rows[row][keep:]
+        if held:
+            self.allocator.free(held)
+            del self._rows[row][keep:]
+            self.block_table[row, keep:] = self.null_block
 
     check_update = KVCache.check_update
 
@@ -451,6 +488,55 @@ def _check_allocator(
             "allocator must have every block free (the cache's pool is its "
             f"own), got {allocator.num_blocks - allocator.num_free} in use"
         )
+
+
+def _check_shared(
+    shared: object,
+    batch: int,
+    max_len: int,
+    block_size: int | None,
+    num_blocks: int | None,
+    allocator: BlockAllocator | None,
+) -> None:
+    """A cache whose table another shares: a PagedKVCache of these rows."""
+    if not isinstance(shared, PagedKVCache):
+        raise TypeError(
+            "share_table_with must be an mha.PagedKVCache, got "
+            f"{type(shared).__name__}"
+        )
+    if (batch, max_len) != (shared.batch, shared.max_len):
+        raise ValueError(
+            f"share_table_with must have the same (batch, max_len), got "
+            f"{(shared.batch, shared.max_len)} for {(batch, max_len)}"
+        )
+    for name, asked in (("block_size", block_size),
+                        ("num_blocks", num_blocks)):  # fmt: skip
+        if asked is not None and asked != getattr(shared, name):
+            raise ValueError(
+                f"{name} must be the shared table's ({getattr(shared, name)})"
+                f" or None, got {asked}"
+            )
+    if allocator is not None and allocator is not shared.allocator:
+        raise ValueError(
+            "allocator must be None with share_table_with (the table's own "
+            "allocator serves every layer)"
+        )
+
+
+def _advance(cache: KVCache | PagedKVCache, new: int) -> None:
+    """``length += new``; eagerly the host's count follows it, unread."""
+    if torch.compiler.is_compiling():
+        cache.length += new
+        return
+    known = len(cache)  # no read: the count is current
+    cache.length += new
+    cache._count = (known + new, cache.length._version)
+
+
+def _set_length(cache: KVCache | PagedKVCache, length: int) -> None:
+    """``length`` positions held, on the device and on the host alike."""
+    cache.length.fill_(length)
+    cache._count = (length, cache.length._version)
 
 
 def _length_counter(device: torch.device) -> Tensor:

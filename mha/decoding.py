@@ -28,11 +28,10 @@ query heads per key/value head, ``d_k = D / H``.
 from __future__ import annotations
 
 import copy
-import math
+import dataclasses
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._validate import (
@@ -42,7 +41,7 @@ from ._validate import (
     check_positions,
     check_probability,
 )
-from .backends import grouped_attention
+from .backends import Masking, attend, get_backend, grouped_attention
 from .caches import (
     Cache,
     ConcatKVCache,
@@ -52,7 +51,6 @@ from .caches import (
 )
 from .configs import read_config
 from .functional import (
-    causal_mask,
     grouped_query_state_dict,
     merge_heads,
     split_heads,
@@ -61,6 +59,7 @@ from .positions import Rope, as_rope, rope_cos_sin, rotate_pairs
 
 __all__ = [
     "grouped_attention",
+    "RMSNorm",
     "GroupedQueryAttention",
     "KVCache",
     "ConcatKVCache",
@@ -73,6 +72,20 @@ __all__ = [
     "train_decoder",
     "evaluate_decoder",
 ]
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last axis, computed in float32."""
+
+    def __init__(self, size: int, eps: float, **factory) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, **factory))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 class GroupedQueryAttention(nn.Module):
@@ -92,6 +105,13 @@ class GroupedQueryAttention(nn.Module):
             (a sliding window, Mistral's and gpt-oss's), or None: all.
         sinks: a learned sink logit per head, the parameter ``sinks`` (H,)
             (gpt-oss): one more term in each row's softmax, with no value.
+        qk_norm_eps: RMSNorm over each head's queries and keys, before
+            RoPE (Qwen3's ``q_norm``, ``k_norm``), with this epsilon; None:
+            none.
+        o_bias: a bias on ``o_proj`` (default ``bias``; Qwen2 has q, k, v
+            biases and none on o).
+        backend: the attention backend by name (:func:`mha.attend`,
+            :func:`mha.attention_backends`), ``sdpa`` by default.
     """
 
     def __init__(
@@ -108,8 +128,12 @@ class GroupedQueryAttention(nn.Module):
         head_dim: int | None = None,
         window: int | None = None,
         sinks: bool = False,
+        qk_norm_eps: float | None = None,
+        o_bias: bool | None = None,
+        backend: str = "sdpa",
     ) -> None:
         super().__init__()
+        self.backend = get_backend(backend).name
         self.window = None if window is None else check_int("window", window)
         self.embed_dim = check_int("embed_dim", embed_dim)
         self.num_heads = check_int("num_heads", num_heads)
@@ -134,11 +158,16 @@ class GroupedQueryAttention(nn.Module):
         self.dropout = check_probability("dropout", dropout)
         q_dim = self.num_heads * self.head_dim  # H d_k (D unless head_dim)
         kv_dim = self.num_kv_heads * self.head_dim  # H_kv d_k
-        factory = {"bias": bias, "device": device, "dtype": dtype}
-        self.q_proj = nn.Linear(embed_dim, q_dim, **factory)
-        self.k_proj = nn.Linear(embed_dim, kv_dim, **factory)
-        self.v_proj = nn.Linear(embed_dim, kv_dim, **factory)
-        self.o_proj = nn.Linear(q_dim, embed_dim, **factory)
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(embed_dim, q_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        o_bias = bias if o_bias is None else o_bias
+        self.o_proj = nn.Linear(q_dim, embed_dim, bias=o_bias, **factory)
+        self.q_norm = self.k_norm = None  # or Qwen3's, over each head's d_k
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(self.head_dim, qk_norm_eps, **factory)
+            self.k_norm = RMSNorm(self.head_dim, qk_norm_eps, **factory)
         self.sinks = None  # or (H,) logits, GptOssAttention's ``sinks``
         if sinks:
             self.sinks = nn.Parameter(
@@ -167,44 +196,39 @@ class GroupedQueryAttention(nn.Module):
         ``max_position_embeddings`` and ``rope_parameters`` in
         ``transformers`` 5's format, rope types default, linear, llama3 and
         yarn), read by :func:`mha.configs.read_config`. Its ``state_dict``
-        loads into ours with no renaming. A field the layer does not
-        implement (Qwen3's q/k norms: the model's layers,
-        :class:`mha.CausalLM`, have them) is refused by name. A
-        ``GptOssConfig`` gives gpt-oss's layer (biases, learned sinks) and
-        ``layer_idx`` its window: ``layer_types[layer_idx]`` is
-        ``"sliding_attention"`` (``sliding_window``) or ``"full_attention"``
-        (none), as in ``GptOssAttention(config, layer_idx)``."""
+        loads into ours with no renaming; a field the layer does not
+        implement is refused by name. A ``Qwen3Config`` adds the norms of
+        each head's queries and keys. A ``GptOssConfig`` gives gpt-oss's
+        layer (biases, learned sinks) and ``layer_idx`` its window:
+        ``layer_types[layer_idx]`` is ``"sliding_attention"``
+        (``sliding_window``) or ``"full_attention"`` (none), as in
+        ``GptOssAttention(config, layer_idx)``."""
         fields = read_config(config, layer=True)
-        if fields.qk_norm:
-            raise ValueError(
-                "config: q_norm and k_norm (model_type 'qwen3') is not "
-                "implemented by GroupedQueryAttention; mha.CausalLM's layers "
-                "implement it"
-            )
-        layer = cls(
+        window = _layer_window(fields.windows, fields.sliding_window,
+                               layer_idx)  # fmt: skip
+        return cls.from_fields(fields, window, device=device, dtype=dtype)
+
+    @classmethod
+    def from_fields(
+        cls, fields, window: int | None, backend: str = "sdpa", **factory
+    ) -> GroupedQueryAttention:
+        """The layer of a :class:`mha.configs.ModelConfig` (the fields
+        :func:`mha.configs.read_config` reads) with this ``window``."""
+        return cls(
             fields.hidden_size,
             fields.num_attention_heads,
             fields.num_key_value_heads,
             bias=fields.qkv_bias,
             rope_base=fields.rope,
             dropout=fields.attention_dropout,
-            device=device,
-            dtype=dtype,
             head_dim=fields.head_dim,
-            window=_layer_window(
-                fields.windows, fields.sliding_window, layer_idx
-            ),
+            window=window,
             sinks=fields.sinks,
+            qk_norm_eps=fields.rms_norm_eps if fields.qk_norm else None,
+            o_bias=fields.o_bias,
+            backend=backend,
+            **factory,
         )
-        if fields.o_bias != fields.qkv_bias:  # Qwen2: o without a bias
-            layer.o_proj = nn.Linear(
-                layer.o_proj.in_features,
-                layer.o_proj.out_features,
-                bias=fields.o_bias,
-                device=device,
-                dtype=dtype,
-            )
-        return layer
 
     def forward(
         self,
@@ -214,6 +238,7 @@ class GroupedQueryAttention(nn.Module):
         cache: Cache | None = None,
         attn_mask: Tensor | None = None,
         is_causal: bool = True,
+        masking: Masking | None = None,
     ) -> Tensor:
         """x (B, T, D) -> (B, T, D), attending to the cache (if any) and x.
 
@@ -222,38 +247,32 @@ class GroupedQueryAttention(nn.Module):
         continue its own positions (a left-padded batch). ``attn_mask``:
         boolean, broadcastable to (B, H, T, T_k), ``True`` = may attend, with
         ``T_k`` the cached and new positions, or the cache's ``max_len``;
-        combined with the causal mask when ``is_causal``.
+        combined with the causal mask when ``is_causal``. ``masking``: what
+        to hide, said once for every layer by a model that has checked its
+        inputs (:class:`mha.CausalLM`), in place of the last two.
         """
-        self._check_forward(x, positions, cache, attn_mask)
+        if masking is None:  # a call from outside: every input checked
+            self._check_forward(x, positions, cache, attn_mask)
+            masking = Masking(causal=is_causal, dense=attn_mask)
         d_k, T = self.head_dim, x.shape[1]
-        start = 0 if cache is None else _cached_so_far(cache)
         q = split_heads(self.q_proj(x), d_k)  # (B, H, T, d_k)
         k = split_heads(self.k_proj(x), d_k)  # (B, H_kv, T, d_k)
         v = split_heads(self.v_proj(x), d_k)  # (B, H_kv, T, d_k)
+        if self.q_norm is not None:  # Qwen3: each head's q and k, normed
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:  # turn q and k by their positions
             if positions is None:  # the next T slots of the cache
+                start = 0 if cache is None else cached_so_far(cache)
                 positions = start + torch.arange(T, device=x.device)
             cos, sin = rope_cos_sin(positions, d_k, self.rope, q.dtype)
             q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
-        if cache is not None:  # cached keys and values, then the new ones
-            k, v = cache.update(k, v)  # (B, H_kv, T_k, d_k)
-        keep, causal = _mask(
-            attn_mask, is_causal, start, T, k.shape[2], x.device
+        masking = dataclasses.replace(  # the layer's own window and sinks
+            masking, window=self.window, sinks=self.sinks
         )
-        if self.window is not None or self.sinks is not None:
-            keep = _window_and_sinks(keep, causal, start, q, k, self, cache)
-            causal = False
-            if self.sinks is not None:  # a zero key and value: the sink's
-                k, v = (F.pad(t, (0, 0, 0, 1)) for t in (k, v))
-        heads = F.scaled_dot_product_attention(  # grouped_attention, fused
-            q,
-            k,
-            v,
-            attn_mask=keep,
+        heads = attend(  # the backend reads the cache, in place or gathered
+            self.backend, q, k, v, masking, cache,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=causal,
-            enable_gqa=True,  # query head h reads key/value head h // G
-        )  # (B, H, T, d_k)
+        )  # (B, H, T, d_k)  # fmt: skip
         return self.o_proj(merge_heads(heads))  # (B, T, D)
 
     def _check_forward(
@@ -315,79 +334,6 @@ def _layer_window(
             f"got {layer}"
         )
     return windows[layer]
-
-
-def _window_and_sinks(
-    keep: Tensor | None,
-    causal: bool,
-    start: int | Tensor,
-    q: Tensor,
-    k: Tensor,
-    layer: GroupedQueryAttention,
-    cache: Cache | None,
-) -> Tensor:
-    """The mask with the layer's window, and with a last column for its
-    sinks: then a float mask, 0 or -inf, the sink's logit in that column
-    (the sink's key and value are zeros), (B or 1, H, T, T_k + 1).
-
-    Slot j of the keys is position j (every cache that remembers all; a
-    cache that forgets, :class:`mha.RollingKVCache`, keeps the window
-    itself, and its keys are not in position order)."""
-    t_q, t_k = q.shape[2], k.shape[2]
-    if keep is None:  # SDPA's flags: causal with T_q = T_k, or everything
-        keep = causal_mask(t_q, t_k, device=q.device) if causal else None
-        if keep is None:
-            keep = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device)
-    forgets = cache is not None and len(cache) < cache.seen
-    if layer.window is not None and not forgets:
-        slots = torch.arange(t_k, device=q.device)  # (T_k,): positions
-        query_slots = start + torch.arange(t_q, device=q.device)  # (T_q,)
-        keep = keep & (slots[None, :] > query_slots[:, None] - layer.window)
-    if layer.sinks is None:
-        return keep
-    keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
-    bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
-    bias = bias.masked_fill(~keep, -math.inf)  # (B or 1, H or 1, T, T_k)
-    bias = bias.expand(keep.shape[0], q.shape[1], t_q, t_k)
-    sink = layer.sinks.to(q.dtype).view(1, -1, 1, 1)  # (1, H, 1, 1)
-    return torch.cat((bias, sink.expand(bias.shape[0], -1, t_q, 1)), -1)
-
-
-_cached_so_far = cached_so_far  # the count before a step (mha.caches)
-
-
-def _mask(
-    attn_mask: Tensor | None,
-    is_causal: bool,
-    start: int | Tensor,
-    t_q: int,
-    t_k: int,
-    device: torch.device,
-) -> tuple[Tensor | None, bool]:
-    """The boolean mask (True = may attend) and SDPA's ``is_causal`` flag.
-
-    Query ``i`` stands at slot ``start + i``; causal, it sees key slots
-    ``0 .. start + i`` (aligned bottom-right); in any case only the ``start
-    + t_q`` slots written so far (a compiled step gets every slot of a
-    preallocated cache). SDPA's own flag is top-left, the same only when
-    ``T_q = T_k``; a single new query that sees every key needs no mask.
-    """
-    if attn_mask is not None and attn_mask.shape[-1] > t_k:
-        attn_mask = attn_mask[..., :t_k]  # given for every slot of the cache
-    if isinstance(start, int) and t_k == start + t_q:  # keys: exactly these
-        if not is_causal or t_q == 1:
-            return attn_mask, False
-        if t_q == t_k and attn_mask is None:
-            return None, True
-        causal = causal_mask(t_q, t_k, align="bottom-right", device=device)
-        return (causal if attn_mask is None else attn_mask & causal), False
-    slots = torch.arange(t_k, device=device)  # (T_k,)
-    query_slots = start + torch.arange(t_q, device=device)  # (T_q,)
-    if is_causal:
-        keep = slots[None, :] <= query_slots[:, None]  # (T_q, T_k)
-    else:
-        keep = (slots < start + t_q)[None, :].expand(t_q, t_k)
-    return (keep if attn_mask is None else attn_mask & keep), False
 
 
 def _check_layer_positions(

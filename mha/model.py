@@ -7,7 +7,8 @@ and the output head (tied to the embeddings where the config says so). Its
 parameters carry transformers' names (``model.embed_tokens.weight``,
 ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``model.norm.weight``,
 ``lm_head.weight``), so ``load_state_dict`` of transformers' model is
-strict, both ways. Every attention layer calls one backend of
+strict, both ways. Every attention layer is chapter 12's
+:class:`mha.GroupedQueryAttention`, which calls one backend of
 :mod:`mha.backends` by name (``eager``, ``sdpa``, ``tiled``, ``triton``,
 ``flex``); :meth:`CausalLM.set_attention_backend` switches them all.
 
@@ -23,34 +24,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._validate import check_choice, check_int, check_tensor
-from .backends import Masking, attend, get_backend
+from .backends import Masking, get_backend
 from .caches import Cache, KVCache, PagedKVCache, cached_so_far
 from .configs import ModelConfig, read_config
-from .decoding import GroupedQueryAttention
-from .functional import (
-    key_start_from_attention_mask,
-    merge_heads,
-    split_heads,
-)
-from .positions import rope_cos_sin, rotate_pairs
+from .decoding import GroupedQueryAttention, RMSNorm
 from .sampling import Sampling, sample
 
-__all__ = ["RMSNorm", "MLP", "Attention", "DecoderLayer", "CausalLM"]
+__all__ = ["RMSNorm", "MLP", "DecoderLayer", "CausalLM"]
 __all__ += ["sample", "check_context"]
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last axis, computed in float32."""
-
-    def __init__(self, size: int, eps: float, **factory) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, **factory))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
 
 
 class MLP(nn.Module):
@@ -68,114 +49,15 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Attention(GroupedQueryAttention):
-    """A model's attention layer: :class:`mha.GroupedQueryAttention`'s
-    projections and RoPE, Qwen3's q/k norms, a sliding window, and the
-    attention itself by a named backend (:func:`mha.backends.attend`).
-    With a :class:`mha.PagedKVCache` and a backend that has a paged kernel
-    (``triton``), only the new keys and values are written and the kernel
-    reads the others in their blocks; other backends get them gathered."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        window: int | None,
-        backend: str,
-        **factory,
-    ) -> None:
-        super().__init__(
-            config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            bias=config.qkv_bias,
-            rope_base=config.rope,
-            dropout=config.attention_dropout,
-            head_dim=config.head_dim,
-            **factory,
-        )
-        if config.o_bias != config.qkv_bias:  # Qwen2: o without a bias
-            self.o_proj = nn.Linear(
-                self.o_proj.in_features,
-                self.o_proj.out_features,
-                bias=config.o_bias,
-                **factory,
-            )
-        if config.qk_norm:  # Qwen3: RMSNorm over each head's d_k
-            self.q_norm = RMSNorm(
-                self.head_dim, config.rms_norm_eps, **factory
-            )
-            self.k_norm = RMSNorm(
-                self.head_dim, config.rms_norm_eps, **factory
-            )
-        self.window, self.backend = window, backend
-
-    def forward(
-        self,
-        x: Tensor,
-        *,
-        positions: Tensor,
-        cache: Cache | None = None,
-        start: int | Tensor = 0,
-        padding: Tensor | None = None,
-    ) -> Tensor:
-        """x (B, T, D) at ``positions`` (1 or B, T) -> (B, T, D), after the
-        ``start`` positions in ``cache``; ``padding`` (B, >= T_k) bool,
-        False at a pad key."""
-        d_k = self.head_dim
-        q = split_heads(self.q_proj(x), d_k)  # (B, H, T, d_k)
-        k = split_heads(self.k_proj(x), d_k)  # (B, H_kv, T, d_k)
-        v = split_heads(self.v_proj(x), d_k)  # (B, H_kv, T, d_k)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope_cos_sin(positions, d_k, self.rope, q.dtype)
-        q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
-        if hasattr(cache, "attend"):  # a serving step (mha.serving.layer)
-            heads = cache.attend(q, k, v, self.window)  # reads the pool
-            return self.o_proj(merge_heads(heads))  # (B, T, D)
-        paged = isinstance(cache, PagedKVCache) and get_backend(self.backend)
-        if paged and paged.paged and not torch.compiler.is_compiling():
-            cache.write(k, v)  # the new keys only: the kernel reads the pool
-            key_start = None
-            if padding is not None:  # (B,) int32: each row's first key
-                key_start = key_start_from_attention_mask(
-                    padding[:, : len(cache)]
-                )
-            heads = paged.paged(q, *cache.pages(), key_start=key_start,
-                                window=self.window)  # fmt: skip
-            return self.o_proj(merge_heads(heads))  # (B, T, D)
-        masking = Masking(window=self.window, padding=padding)
-        if cache is not None:
-            k, v = cache.update(k, v)  # (B, H_kv, T_k, d_k)
-            if torch.compiler.is_compiling():  # every slot of the cache
-                end = start + x.shape[1]
-                masking = Masking(
-                    window=self.window, q_offset=start, key_end=end,
-                    padding=padding,
-                )  # fmt: skip
-            elif _reads_whole(self.backend, cache):  # one shape every step
-                k, v = cache.keys, cache.values  # (B, H_kv, max_len, d_k)
-                if padding is not None:  # the slots not written: causal hides
-                    width = cache.max_len - padding.shape[1]
-                    padding = F.pad(padding, (0, width), value=True)
-                masking = Masking(window=self.window, q_offset=start,
-                                  padding=padding)  # fmt: skip
-        heads = attend(self.backend, q, k, v, masking)  # (B, H, T, d_k)
-        return self.o_proj(merge_heads(heads))  # (B, T, D)
-
-
-def _reads_whole(backend: str, cache: Cache) -> bool:
-    """Whether the backend is handed a static cache whole (its every slot;
-    the unwritten ones, after the queries, hidden by the causal mask)."""
-    return get_backend(backend).whole_cache and isinstance(cache, KVCache)
-
-
 class DecoderLayer(nn.Module):
     """x + attention(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config: ModelConfig, window, backend, **factory):
         super().__init__()
         eps, D = config.rms_norm_eps, config.hidden_size
-        self.self_attn = Attention(config, window, backend, **factory)
+        self.self_attn = GroupedQueryAttention.from_fields(
+            config, window, backend, **factory
+        )
         self.mlp = MLP(config, **factory)  # transformers' order of names
         self.input_layernorm = RMSNorm(D, eps, **factory)
         self.post_attention_layernorm = RMSNorm(D, eps, **factory)
@@ -245,7 +127,7 @@ class CausalLM(nn.Module):
 
     def set_attention_backend(self, name: str) -> None:
         """Switch every attention layer to backend ``name``."""
-        get_backend(name)
+        name = get_backend(name).name
         for layer in self.model.layers:
             layer.self_attn.backend = name
 
@@ -273,19 +155,16 @@ class CausalLM(nn.Module):
         if position_ids is None:  # the next T positions, every row alike
             position_ids = start + torch.arange(T, device=input_ids.device)
             position_ids = position_ids[None]  # (1, T)
-        padding = None
-        if attention_mask is not None:
-            padding = attention_mask.to(torch.bool)  # (B, T_k)
-            if not torch.compiler.is_compiling() and bool(padding.all()):
-                padding = None  # nothing to hide
+        # what every layer hides, said once: causal, and the pads (each
+        # row's first key, where the batch is left-padded)
+        masking = Masking.padded(attention_mask)
         x = self.model.embed_tokens(input_ids)  # (B, T, D)
         for i, layer in enumerate(self.model.layers):
             x = layer(
                 x,
                 positions=position_ids,
                 cache=None if caches is None else caches[i],
-                start=start,
-                padding=padding,
+                masking=masking,
             )
         if isinstance(logits_to_keep, Tensor):  # positions' indices
             check_tensor("logits_to_keep", logits_to_keep, kind="integer",
@@ -299,14 +178,20 @@ class CausalLM(nn.Module):
         self, batch: int, max_len: int, *, kind: str = "static"
     ) -> list[Cache]:
         """One empty cache per layer: ``"static"`` (:class:`mha.KVCache`)
-        or ``"paged"`` (:class:`mha.PagedKVCache`, 16-position blocks)."""
+        or ``"paged"`` (:class:`mha.PagedKVCache`, 16-position blocks, one
+        block table for every layer)."""
         check_choice("cache", kind, ("static", "paged"))
         attn = self.model.layers[0].self_attn
         weight = self.lm_head.weight
         sizes = (batch, max_len, attn.num_kv_heads, attn.head_dim)
         factory = {"dtype": weight.dtype, "device": weight.device}
-        cache_class = KVCache if kind == "static" else PagedKVCache
-        return [cache_class(*sizes, **factory) for _ in self.model.layers]
+        if kind == "static":
+            return [KVCache(*sizes, **factory) for _ in self.model.layers]
+        first = PagedKVCache(*sizes, **factory)
+        return [first] + [
+            PagedKVCache(*sizes, share_table_with=first, **factory)
+            for _ in self.model.layers[1:]
+        ]
 
     @torch.no_grad()
     def generate(
@@ -391,16 +276,14 @@ class CausalLM(nn.Module):
                 "backend drops attention weights; call model.eval()"
             )
         B, T = input_ids.shape
-        compiling = torch.compiler.is_compiling()
-        if not compiling and not (
-            0 <= int(input_ids.min())
-            and int(input_ids.max()) < config.vocab_size
-        ):
-            raise ValueError(
-                f"input_ids must lie in [0, vocab_size = {config.vocab_size})"
-                f", got values {int(input_ids.min())} .. "
-                f"{int(input_ids.max())}"
-            )
+        if not torch.compiler.is_compiling():  # one read from the device
+            ends = torch.stack((input_ids.min(), input_ids.max()))
+            low, high = ends.tolist()
+            if not 0 <= low <= high < config.vocab_size:
+                raise ValueError(
+                    "input_ids must lie in [0, vocab_size = "
+                    f"{config.vocab_size}), got values {low} .. {high}"
+                )
         start = 0
         if caches is not None:
             if len(caches) != len(self.model.layers):

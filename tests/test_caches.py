@@ -87,9 +87,10 @@ def test_a_rolling_cache_refuses_what_a_layer_cannot_attend_through() -> None:
 
 
 @pytest.mark.parametrize("kind", ["preallocated", "paged"])
-def test_a_decoding_step_reads_the_cache_length_from_the_device_once(kind, monkeypatch) -> None:
-    """The layer's check, its positions and the update each ask for len(cache): one read of the
-    length tensor serves them (a read from a GPU waits for every queued kernel)."""
+def test_a_decoding_step_never_reads_the_cache_length_from_the_device(kind, monkeypatch) -> None:
+    """The layer's check, its positions and the update each ask for len(cache): the count the
+    host keeps beside the length tensor serves them all, eagerly, with no read (a read from a GPU
+    waits for every queued kernel); after a write the host did not make, one read."""
     torch.manual_seed(0)
     layer = GroupedQueryAttention(H * D_K, H, H_KV, dtype=torch.float64).eval()
     cache = new_cache(kind)
@@ -106,7 +107,10 @@ def test_a_decoding_step_reads_the_cache_length_from_the_device_once(kind, monke
     monkeypatch.setattr(torch.Tensor, "__int__", counted)
     with torch.no_grad():
         layer(x[:, 4:5], cache=cache)
-    assert sum(reads) == 1 and len(cache) == 5
+    assert sum(reads) == 0 and len(cache) == 5
+    cache.length += 1  # a write the host's count did not follow (a compiled step's)
+    assert len(cache) == 6 and sum(reads) == 1
+    assert len(cache) == 6 and sum(reads) == 1
 
 
 def test_a_subclass_may_count_in_python() -> None:

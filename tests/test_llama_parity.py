@@ -242,8 +242,6 @@ def test_from_config_errors_name_the_field() -> None:
     rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
     with pytest.raises(ValueError, match=r"partial_rotary_factor = 0.5"):
         GroupedQueryAttention.from_config({**fields, "rope_parameters": rope})
-    with pytest.raises(ValueError, match=r"q_norm and k_norm \(model_type 'qwen3'\)"):
-        GroupedQueryAttention.from_config({**fields, "model_type": "qwen3"})
 
 
 @pytest.mark.parametrize(
@@ -252,6 +250,7 @@ def test_from_config_errors_name_the_field() -> None:
         ("LlamaConfig", {"head_dim": 16}),  # head_dim != hidden / heads (64 / 8)
         ("Qwen2Config", {}),  # biases on q, k, v, none on o
         ("LlamaConfig", {"attention_bias": True, "head_dim": 12}),
+        ("Qwen3Config", {"head_dim": 16}),  # RMSNorm over each head's q and k
     ],
 )
 def test_from_config_equals_transformers_attention(config_class: str, extra: dict) -> None:

@@ -591,3 +591,17 @@ def test_from_config_takes_the_configs_dtype_as_transformers() -> None:
     assert CausalLM.from_config(config, dtype=torch.float32).lm_head.weight.dtype == torch.float32
     as_dict = {**SMALL, "torch_dtype": "bfloat16"}  # config.json's older key
     assert CausalLM.from_config(as_dict).lm_head.weight.dtype == torch.bfloat16
+
+
+def test_the_models_attention_layer_is_the_chapters_layer() -> None:
+    # One layer, one forward: the model's attention is GroupedQueryAttention itself (chapter 12's).
+    import mha.model
+
+    model = CausalLM.from_config(
+        {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 48,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+         "vocab_size": 32, "head_dim": 8}
+    )  # fmt: skip
+    for layer in model.model.layers:
+        assert type(layer.self_attn) is mha.GroupedQueryAttention
+    assert not hasattr(mha.model, "Attention")

@@ -184,3 +184,42 @@ def test_write_stores_the_new_keys_and_pages_hands_out_the_pools_themselves() ->
             block = int(table[b, p // 4])
             assert torch.equal(k_pool[block, p % 4], k[b, :, p])  # (H_kv, d_k)
             assert torch.equal(v_pool[block, p % 4], v[b, :, p])
+
+
+def test_a_models_layers_share_one_block_table() -> None:
+    # Two layers on one table: the first to write a step takes the blocks, the second finds them
+    # taken; each layer's keys live in its own pools at the positions the one table says.
+    first = PagedKVCache(2, 10, 1, 4, block_size=4, dtype=torch.float64)
+    second = PagedKVCache(2, 10, 1, 4, share_table_with=first, dtype=torch.float64)
+    assert second.block_table is first.block_table and second.allocator is first.allocator
+    k1, k2 = randn(2, 1, 5, 4, seed=1), randn(2, 1, 5, 4, seed=2)
+    first.update(k1, k1)
+    taken = first.blocks_in_use
+    assert taken == 2 * math.ceil(5 / 4)  # 2 rows, 2 blocks of 4 each for 5 positions
+    keys, _ = second.update(k2, k2)
+    assert second.blocks_in_use == taken  # nothing more taken
+    torch.testing.assert_close(keys, k2, rtol=0, atol=0)
+    torch.testing.assert_close(first.update(k1[:, :, :1], k1[:, :, :1])[0][:, :, :5], k1)
+    first.truncate(2)  # every layer of the table
+    assert len(first) == len(second) == 2 and first.blocks_in_use == 2
+    second.reset()
+    assert len(first) == len(second) == 0 and first.blocks_in_use == 0
+    with pytest.raises(
+        ValueError, match=r"share_table_with must have the same \(batch, max_len\)"
+    ):
+        PagedKVCache(3, 10, 1, 4, share_table_with=first)
+    with pytest.raises(TypeError, match="share_table_with must be an mha.PagedKVCache"):
+        PagedKVCache(2, 10, 1, 4, share_table_with=KVCache(2, 10, 1, 4))
+
+
+def test_the_models_paged_caches_share_one_table() -> None:
+    import mha
+
+    model = mha.CausalLM.from_config(
+        {"model_type": "llama", "hidden_size": 16, "intermediate_size": 24,
+         "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 3,
+         "vocab_size": 32}
+    )  # fmt: skip
+    caches = model.new_caches(2, 8, kind="paged")
+    assert len({id(cache.block_table) for cache in caches}) == 1
+    assert len({id(cache.key_blocks) for cache in caches}) == 3

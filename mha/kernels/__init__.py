@@ -264,6 +264,7 @@ def triton_paged_attention(
     scale: float | None = None,
     key_start: Tensor | None = None,
     window: int | None = None,
+    max_seq_len: int | None = None,
 ) -> Tensor:
     """Attention over keys and values held in the blocks of a pool.
 
@@ -278,7 +279,10 @@ def triton_paged_attention(
     are read where they are (no gather), GQA by packing a group's query
     heads into one tile, a decoding step split over the blocks. Forward
     only. See :mod:`mha.kernels.paged`; :func:`paged_attention_torch` is
-    its twin.
+    its twin. ``max_seq_len``: the longest of ``seq_lens`` where the caller
+    knows it (flash-attention's ``max_seqlen_k``): nothing is then read
+    from the device, and the table, lengths and key starts are trusted
+    (the caller built them: :class:`mha.PagedKVCache`), not checked.
 
     Raises:
         ModuleNotFoundError: Triton cannot be imported here.
@@ -289,7 +293,7 @@ def triton_paged_attention(
 
     return run(
         q, k_pool, v_pool, block_table, seq_lens, scale=scale,
-        key_start=key_start, window=window,
+        key_start=key_start, window=window, max_seq_len=max_seq_len,
     )  # fmt: skip
 
 

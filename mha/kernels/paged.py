@@ -199,14 +199,16 @@ def paged_forward(
     num_splits: int | None = None,
     key_start: Tensor | None = None,
     window: int | None = None,
+    max_seq_len: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The paged kernel and the merge of its splits: ``(out, logsumexp)``,
     (B, H, T_q, d) in q's dtype and (B, H, T_q) float32; a query that sees
-    no key gets zeros and a logsumexp of -inf. ``key_start`` and
-    ``window``: as in :func:`triton_paged_attention`."""
+    no key gets zeros and a logsumexp of -inf. ``key_start``, ``window``
+    and ``max_seq_len``: as in :func:`triton_paged_attention`."""
     scale = check_paged_inputs(
         q, k_pool, v_pool, block_table, seq_lens, scale,
         key_start=key_start, window=window,
+        read_values=max_seq_len is None,
     )  # fmt: skip
     _check_backend(q)
     (batch, heads, t_q, d), kv_heads = q.shape, k_pool.shape[2]
@@ -217,7 +219,7 @@ def paged_forward(
         else (9, 0)
     )
     tiles: Tiles = default_tiles("paged", d, q.dtype, capability)
-    longest = int(seq_lens.max())
+    longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     if num_splits is None:
         programs = batch * kv_heads * triton.cdiv(group * t_q, tiles.block_q)
         num_splits = default_num_splits(
@@ -257,6 +259,7 @@ def triton_paged_attention(
     scale: float | None = None,
     key_start: Tensor | None = None,
     window: int | None = None,
+    max_seq_len: int | None = None,
 ) -> Tensor:
     """Attention of each sequence's last T_q queries over its paged keys.
 
@@ -264,10 +267,14 @@ def triton_paged_attention(
     :func:`mha.kernels.paged_torch.paged_attention_torch`, ``key_start``
     (left padding) and ``window`` (a sliding window) included; the blocks
     are read where they are in the pools. Forward only (no gradient).
+    ``max_seq_len``: the longest of ``seq_lens``, where the caller knows
+    it (as flash-attention's ``max_seqlen_k``): then nothing is read from
+    the device, and the lengths, key starts and table are trusted, not
+    checked.
     """
     out, _ = paged_forward(
         q, k_pool, v_pool, block_table, seq_lens, scale=scale,
-        key_start=key_start, window=window,
+        key_start=key_start, window=window, max_seq_len=max_seq_len,
     )  # fmt: skip
     return out
 

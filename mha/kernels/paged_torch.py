@@ -110,7 +110,7 @@ def paged_attention_torch(
 
 def check_paged_inputs(
     q, k_pool, v_pool, block_table, seq_lens, scale, *, key_start=None,
-    window=None,
+    window=None, read_values=True,
 ):  # fmt: skip
     """The paged kernels' requirements, each with a clear error; the scale.
 
@@ -119,6 +119,9 @@ def check_paged_inputs(
     does not hold (on a GPU, a wrong index would read memory that is not
     the cache's) and a key start past its sequence's length. ``window``
     must be a positive int (``bool`` is not one) or None.
+    ``read_values=False``: shapes, dtypes and devices only, for a caller
+    that built the table and the lengths itself (:class:`mha.PagedKVCache`
+    through :func:`mha.backends.attend`), which a read would only slow.
     """
     check_tensor("q", q, ndim=4, shape="(B, H, T_q, d)")
     pools = "(num_blocks, block_size, H_kv, d)"
@@ -159,6 +162,8 @@ def check_paged_inputs(
             raise ValueError(
                 f"{name} must be on q's device ({q.device}), got {t.device}"
             )
+    if not read_values:
+        return check_scale(scale, d)
     lens = seq_lens.cpu()
     capacity = block_table.shape[1] * block_size
     if (lens < t_q).any() or (lens > capacity).any():

@@ -85,7 +85,7 @@ class Engine:
         self.layers = [
             PagedLayer(num_blocks, block_size, attn.num_kv_heads,
                        attn.head_dim, dtype=weight.dtype,
-                       device=weight.device, backend=model.attn_backend)
+                       device=weight.device)
             for _ in model.model.layers
         ]  # fmt: skip
         self.stats = EngineStats()

@@ -2,15 +2,15 @@
 
 Each layer of the served model has a :class:`PagedLayer`: its pools
 ``k_pool``, ``v_pool`` (num_blocks, block_size, H_kv, d_k), shared by every
-request through their block tables. The model's attention layer calls
-:meth:`PagedLayer.attend` in place of a cache's ``update``
-(:mod:`mha.model`): it writes the step's new keys and values into their
-slots and computes attention for each group of the step's
-:class:`~mha.serving.batch.StepPlan` by the model's backend. With a paged
+request through their block tables. The model's attention layer hands it
+to :func:`mha.backends.attend` as its cache, which finds a serving step
+there (:meth:`PagedLayer.serve`): the step's new keys and values go into
+their slots, and attention is computed for each group of the step's
+:class:`~mha.serving.batch.StepPlan` by the layer's backend. With a paged
 kernel (``triton``) the blocks are read where they lie and the new keys are
 the only bytes moved; any other backend gets each group's keys gathered
 (right-aligned, the index made once per step for every layer) and computes
-attention its own way (:func:`mha.backends.attend`).
+attention its own way.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..backends import Masking, attend, get_backend
+from ..backends import Backend, Masking, attend
 from .batch import StepPlan
 
 __all__ = ["PagedLayer"]
@@ -31,11 +31,10 @@ class PagedLayer:
     seen = 0  # each token's position comes with the step (position_ids)
 
     def __init__(self, num_blocks, block_size, num_kv_heads, head_dim,
-                 *, dtype, device, backend) -> None:  # fmt: skip
+                 *, dtype, device) -> None:  # fmt: skip
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_pool = torch.zeros(shape, dtype=dtype, device=device)
         self.v_pool = torch.zeros(shape, dtype=dtype, device=device)
-        self.backend = backend  # its paged kernel, or keys gathered for it
         self.plan: StepPlan | None = None
 
     def check_update(self, batch, num_kv_heads, new_tokens, head_dim,
@@ -51,9 +50,14 @@ class PagedLayer:
                 f"{(batch, num_kv_heads, new_tokens, head_dim)} in {dtype}"
             )
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, window=None) -> Tensor:
-        """q (1, H, N, d_k), new k, v (1, H_kv, N, d_k) -> (1, H, N, d_k)."""
-        plan = self.plan
+    def serve(
+        self, backend: Backend, q: Tensor, k: Tensor, v: Tensor,
+        masking: Masking,
+    ) -> Tensor:  # fmt: skip
+        """q (1, H, N, d_k), new k, v (1, H_kv, N, d_k) -> (1, H, N, d_k),
+        by ``backend``'s paged kernel, or its attention over gathered keys;
+        causal, with ``masking``'s window."""
+        plan, window = self.plan, masking.window
         # token n's keys and values into its slot: (N, H_kv, d_k)
         self.k_pool[plan.blocks, plan.offsets] = k[0].transpose(0, 1)
         self.v_pool[plan.blocks, plan.offsets] = v[0].transpose(0, 1)
@@ -63,13 +67,13 @@ class PagedLayer:
                 rows = q[0, :, first:end].transpose(0, 1)[:, :, None]
             else:  # a chunk of one request
                 rows = q[:, :, first:end]  # (1, H, T_q, d_k)
-            kernel = get_backend(self.backend).paged
+            kernel = backend.paged
             if kernel is None:  # keys gathered, then the backend's own
                 blocks, slots, padding = plan.gather(len(parts))
                 k_rows = self.k_pool[blocks, slots].transpose(1, 2)
                 v_rows = self.v_pool[blocks, slots].transpose(1, 2)
-                masking = Masking(window=window, padding=padding)
-                out = attend(self.backend, rows, k_rows, v_rows, masking)
+                masked = Masking(window=window, padding=padding)
+                out = attend(backend.name, rows, k_rows, v_rows, masked)
             else:  # a kernel that reads the blocks where they lie
                 out = kernel(
                     rows.contiguous(), self.k_pool, self.v_pool, table,
