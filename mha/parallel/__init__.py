@@ -9,9 +9,14 @@ by output features (column-parallel), the output projection by input features
   and :class:`HeadShard` (by hand), :func:`parallelize_heads` (DTensor).
 * :mod:`mha.parallel.collectives`: :class:`CollectiveCounter`, memory
   saved for the backward pass.
+* :mod:`mha.parallel.ring`: the sequence split instead of the heads (context
+  parallelism): :func:`ring_attention` (contiguous or zigzag parts),
+  :func:`shard_sequence`, :func:`unshard_sequence`, the work and bytes per
+  process, PyTorch's own context parallel beside it.
 * :mod:`mha.parallel.launch`: N local processes, stopped together on the
   first failure or at a timeout.
-* :mod:`mha.parallel.cli`: ``python -m mha.parallel --nproc 2 --check``.
+* :mod:`mha.parallel.cli`: ``python -m mha.parallel --nproc 2 --check``
+  (or ``--ring``).
 
 The launcher needs no torch (it only starts processes), so the names load on
 first use, and ``python -m mha.parallel`` starts fast.
@@ -35,10 +40,25 @@ _LAZY = {
     "Collective": "collectives",
     "CollectiveCounter": "collectives",
     "saved_tensor_bytes": "collectives",
+    "ring_attention": "ring",
+    "RingAttention": "ring",
+    "RingStats": "ring",
+    "LAYOUTS": "ring",
+    "chunk_ranges": "ring",
+    "sequence_positions": "ring",
+    "shard_sequence": "ring",
+    "unshard_sequence": "ring",
+    "merge_parts": "ring",
+    "pairs_per_rank": "ring",
+    "imbalance": "ring",
+    "ring_bytes": "ring",
+    "dense_attention": "ring",
+    "torch_context_parallel": "ring",
     "LaunchError": "launch",
     "launch": "launch",
     "run_check": "cli",
     "run_benchmark": "cli",
+    "run_ring": "cli",
     "TOLERANCE": "cli",
 }
 

@@ -7,6 +7,11 @@ forward, per process), ``seconds`` (the whole run), and more. The exit status
 is 0 only if the differences are below the tolerance of the dtype and each
 forward all-reduced exactly once, B * T * D numbers. ``--bench`` times the
 forward on 1 process and on N and writes a JSON file for ``benchmarks/``.
+``--ring`` splits the *sequence* instead (ring attention,
+:mod:`mha.parallel.ring`), compares with dense attention on one process and
+prints one JSON line: ``max_abs_diff``, ``grad_max_abs_diff``, the bytes
+each process sent and the formula's, each process's (query, key) pairs and
+their imbalance.
 """
 
 from __future__ import annotations
@@ -23,11 +28,18 @@ from typing import Any
 from .._validate import check_choice, check_divisible, check_int
 from .launch import LaunchError, launch
 
-__all__ = ["run_check", "run_benchmark", "main", "TOLERANCE"]
+__all__ = ["run_check", "run_benchmark", "run_ring", "main", "TOLERANCE"]
 
 #: Largest difference from the single-process layer that --check accepts.
 TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
-ITEMSIZE = {"float32": 4, "float64": 8}
+ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2}
+#: What --ring accepts; bfloat16: within twice PyTorch's own SDPA's error.
+RING_TOLERANCE = {"float32": 1e-5, "float64": 1e-12, "bfloat16": None}
+#: What changes on GPUs.
+ON_GPUS = (
+    "--device cuda: the nccl backend instead of gloo and one GPU per process "
+    "(torch.cuda.set_device(rank)); ring_attention itself does not change"
+)
 
 
 def run_check(
@@ -109,6 +121,116 @@ def run_benchmark(
         "config": {k: config[k] for k in _SHAPE_KEYS + ("repeats", "warmup")},
         "bytes_formula": _formula_bytes(config),
         "runs": runs,
+    }
+
+
+def run_ring(
+    nproc: int = 2,
+    *,
+    batch: int = 2,
+    seq_len: int = 13,
+    embed_dim: int = 32,
+    num_heads: int = 4,
+    num_kv_heads: int | None = None,
+    dtype: str = "float64",
+    device: str = "cpu",
+    causal: bool = False,
+    layout: str = "contiguous",
+    seed: int = 0,
+    timeout: float = 120.0,
+) -> dict[str, Any]:
+    """Ring attention over ``nproc`` processes against dense attention.
+
+    The sequence (T = ``seq_len`` positions, any T >= ``nproc``) is split
+    by ``layout``; heads of ``embed_dim / num_heads`` features,
+    ``num_kv_heads`` key/value heads (None: ``num_heads``).
+    """
+    nproc = check_int("nproc", nproc)
+    sizes = {"batch": batch, "seq_len": seq_len, "embed_dim": embed_dim}
+    sizes = {name: check_int(name, value) for name, value in sizes.items()}
+    num_heads = check_int("num_heads", num_heads)
+    num_kv_heads = check_int(
+        "num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads
+    )
+    head_dim = check_divisible("embed_dim", embed_dim, "num_heads", num_heads)
+    check_divisible("num_heads", num_heads, "num_kv_heads", num_kv_heads)
+    if seq_len < nproc:
+        raise ValueError(
+            f"seq_len must be at least nproc ({nproc}), got {seq_len}"
+        )
+    check_choice("dtype", dtype, tuple(RING_TOLERANCE))
+    check_choice("device", device, ("cpu", "cuda"))
+    check_choice("layout", layout, ("contiguous", "zigzag"))
+    if device == "cuda":
+        _check_gpus(nproc)
+    case = {
+        "name": "ring",
+        "batch": sizes["batch"],
+        "seq_len": seq_len,
+        "heads": num_heads,
+        "kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "dtype": dtype,
+        "causal": bool(causal),
+        "layout": layout,
+        "seed": seed,
+    }
+    config = {"job": "ring", "device": device, "timeout": timeout}
+    start = time.perf_counter()
+    ranks, pids = launch(nproc, {**config, "cases": [case]}, timeout=timeout)
+    seconds = time.perf_counter() - start
+    ranks = [r["cases"][0] for r in ranks]
+    return _ring_summary(case, nproc, ranks, seconds, pids)
+
+
+def _ring_summary(case, nproc, ranks, seconds, pids) -> dict[str, Any]:
+    """The worst difference over ranks; each rank's bytes and pairs."""
+    from .ring import imbalance, ring_bytes
+
+    itemsize = ITEMSIZE[case["dtype"]]
+    shape = (case["batch"], case["seq_len"], case["kv_heads"])
+    formula = ring_bytes(
+        *shape, case["head_dim"], nproc, bytes_per_element=itemsize
+    )
+    out_diff = max(r["max_abs_diff"] for r in ranks)
+    grad_diff = max(r["grad_max_abs_diff"] for r in ranks)
+    torch_diffs = [
+        max(r["torch_max_abs_diff"][i] for r in ranks) for i in (0, 1)
+    ]
+    tolerance = RING_TOLERANCE[case["dtype"]]
+    limits = [tolerance] * 2 if tolerance else [2 * d for d in torch_diffs]
+    sent = [r["forward_bytes"] for r in ranks]
+    per_position = 2 * case["batch"] * case["kv_heads"] * case["head_dim"]
+    exact = [  # K and V of every part but the next process's, once
+        (case["seq_len"] - ranks[(i + 1) % nproc]["local_len"])
+        * per_position
+        * itemsize
+        for i in range(nproc)
+    ]
+    pairs = [r["pairs_unmasked"] for r in ranks]
+    return {
+        "job": "ring",
+        "nproc": nproc,
+        **{k: case[k] for k in ("layout", "causal", "dtype", "batch")},
+        **{k: case[k] for k in ("seq_len", "heads", "kv_heads", "head_dim")},
+        "local_len": [r["local_len"] for r in ranks],
+        "max_abs_diff": out_diff,
+        "grad_max_abs_diff": grad_diff,
+        "torch_sdpa_max_abs_diff": torch_diffs[0],
+        "torch_sdpa_grad_max_abs_diff": torch_diffs[1],
+        "tolerance": limits,
+        "forward_bytes": sent,
+        "backward_bytes": [r["backward_bytes"] for r in ranks],
+        "bytes_formula": formula,
+        "pairs_unmasked": pairs,
+        "pairs_computed": [r["pairs_computed"] for r in ranks],
+        "imbalance": imbalance(pairs),
+        "on_gpus": ON_GPUS,
+        "seconds": round(seconds, 3),
+        "pids": pids,
+        "ok": out_diff <= limits[0]
+        and grad_diff <= limits[1]
+        and sent == exact,
     }
 
 
@@ -258,9 +380,9 @@ def _bench_summary(config, procs, threads, ranks) -> dict[str, Any]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m mha.parallel",
-        description="Multi-head attention split by heads over N local "
-        "processes (torch.distributed: gloo on CPUs, tested; NCCL on GPUs, "
-        "untested).",
+        description="Multi-head attention split by heads (or, with --ring, "
+        "by positions) over N local processes (torch.distributed: gloo on "
+        "CPUs, tested; NCCL on GPUs, untested).",
     )
     job = p.add_mutually_exclusive_group(required=True)
     job.add_argument(
@@ -273,12 +395,22 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="time 1 and N processes, write --output",
     )
+    job.add_argument(
+        "--ring",
+        action="store_true",
+        help="split the sequence (ring attention), compare with one process",
+    )
     job.add_argument("--worker", metavar="CONFIG", help=argparse.SUPPRESS)
     p.add_argument(
         "--nproc", type=int, default=2, help="number of processes (default 2)"
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--dtype", choices=tuple(TOLERANCE), default="float32")
+    p.add_argument(
+        "--dtype",
+        choices=tuple(RING_TOLERANCE),
+        help="float32 (default) or float64; --ring: also bfloat16 (default "
+        "float64)",
+    )
     p.add_argument("--batch", type=int, help="B")
     p.add_argument("--seq-len", type=int, help="T")
     p.add_argument("--embed-dim", type=int, help="D")
@@ -286,10 +418,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-heads",
         type=int,
-        help="H_kv: a GroupedQueryAttention (default: MultiHeadAttention)",
+        help="H_kv: a GroupedQueryAttention (default: MultiHeadAttention); "
+        "--ring: key/value heads (default H)",
     )
     p.add_argument(
-        "--causal", action="store_true", help="causal self-attention (--check)"
+        "--causal",
+        action="store_true",
+        help="causal self-attention (--check, --ring)",
+    )
+    p.add_argument(
+        "--layout",
+        choices=("contiguous", "zigzag"),
+        default="contiguous",
+        help="--ring: which positions each process holds",
     )
     p.add_argument(
         "--timeout", type=float, help="seconds before every process is stopped"
@@ -329,8 +470,20 @@ def main(argv: list[str] | None = None) -> int:
         )
         if value is not None
     }
-    options.update(dtype=args.dtype, device=args.device)
+    options["device"] = args.device
+    if args.dtype is not None or not args.ring:
+        options["dtype"] = args.dtype or "float32"
     try:
+        if args.ring:
+            summary = run_ring(
+                args.nproc,
+                num_kv_heads=args.kv_heads,
+                causal=args.causal,
+                layout=args.layout,
+                **options,
+            )
+            print(json.dumps(summary), flush=True)
+            return 0 if summary["ok"] else 1
         if args.check:
             summary = run_check(
                 args.nproc,

@@ -22,10 +22,27 @@ from ..module import MultiHeadAttention
 from .collectives import CollectiveCounter, saved_tensor_bytes
 from .launch import STORE, die_with_parent
 from .layers import parallelize_heads, shard_heads, unfuse
+from .ring import (
+    RingStats,
+    dense_attention,
+    ring_attention,
+    shard_sequence,
+    torch_context_parallel,
+)
 
-__all__ = ["worker_main", "check_rank", "bench_rank", "make_problem"]
+__all__ = [
+    "worker_main",
+    "check_rank",
+    "bench_rank",
+    "ring_rank",
+    "make_problem",
+]
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+}
 
 
 def worker_main(config: dict[str, Any]) -> None:
@@ -49,7 +66,8 @@ def worker_main(config: dict[str, Any]) -> None:
             raise RuntimeError(f"rank {rank} fails on purpose (--fail-rank)")
         if rank == config.get("hang_rank"):
             time.sleep(10 * config["timeout"])  # never reaches the collective
-        job = {"check": check_rank, "bench": bench_rank}[config["job"]]
+        jobs = {"check": check_rank, "bench": bench_rank, "ring": ring_rank}
+        job = jobs[config["job"]]
         result = job(rank, world, device, config)
         print(json.dumps({"rank": rank, **result}), flush=True)
     finally:
@@ -144,6 +162,130 @@ def bench_rank(rank, world, device, config) -> dict[str, Any]:
         "activation_bytes": saved_tensor_bytes(
             lambda: shard(x.detach().requires_grad_()),
             exclude=shard.parameters(),
+        ),
+    }
+
+
+def ring_rank(rank, world, device, config) -> dict[str, Any]:
+    """Ring attention against dense attention on one process, per case.
+
+    A case names its rings (lists of ranks; default: one of every rank),
+    shape, dtype, ``causal`` and ``layout``; ``torch_cp``: PyTorch's own
+    ring too; ``odd_rank``: that rank passes one key/value head fewer, to
+    see the error; ``shard_layout``: the inputs cut by another layout than
+    the ring is told. A ``ValueError`` is the case's result, not a failure.
+    """
+    groups: dict[str, list] = {}
+    results = []
+    for case in config["cases"]:
+        rings = case.get("rings") or [list(range(world))]
+        key = json.dumps(rings)
+        if key not in groups:  # every rank creates every group, in order
+            groups[key] = [
+                None if len(r) == world else dist.new_group(r) for r in rings
+            ]
+        mine = [i for i, ring in enumerate(rings) if rank in ring]
+        if not mine:
+            results.append({"name": case["name"], "idle": True})
+            continue
+        ring, group = rings[mine[0]], groups[key][mine[0]]
+        P, r = len(ring), ring.index(rank)
+        q, k, v, grad_out = _ring_inputs(case, device)
+        causal, layout = case["causal"], case["layout"]
+        if rank == case.get("odd_rank"):
+            k, v = k[:, 1:], v[:, 1:]
+        whole = [_float64_leaf(t) for t in (q, k, v)]
+        expected = dense_attention(*whole, causal=causal)  # float64
+        expected.backward(grad_out.double())
+        expected = [expected.detach(), *(t.grad for t in whole)]
+
+        cut = case.get("shard_layout", layout)
+
+        def own(t):
+            return shard_sequence(t, r, P, cut)
+
+        local = [own(t).requires_grad_() for t in (q, k, v)]
+        stats = RingStats()
+        try:
+            out = ring_attention(
+                *local, causal=causal, layout=layout, group=group, stats=stats
+            )
+        except ValueError as error:
+            results.append({"name": case["name"], "error": str(error)})
+            continue
+        out.backward(own(grad_out))
+        got = [out.detach(), *(t.grad for t in local)]
+        diffs = [_diff(a.double(), own(b)) for a, b in zip(got, expected)]
+        result = {
+            "name": case["name"],
+            "world": P,
+            "rank": r,
+            "local_len": local[0].shape[2],
+            "max_abs_diff": diffs[0],
+            "grad_max_abs_diff": max(diffs[1:]),
+            "torch_max_abs_diff": _torch_error(
+                q, k, v, grad_out, causal, expected
+            ),
+            **vars(stats),
+        }
+        if case.get("torch_cp"):
+            theirs = _torch_cp(q, k, v, grad_out, group, device)
+            result.update(_compare_cp(theirs, got, expected, own))
+        results.append(result)
+    return {"cases": results}
+
+
+def _float64_leaf(t: Tensor) -> Tensor:
+    """A float64 copy of ``t`` that collects its own gradient."""
+    return t.detach().to(torch.float64, copy=True).requires_grad_()
+
+
+def _ring_inputs(case, device):
+    """Whole q, k, v and upstream gradient: seeded, the same on every rank;
+    drawn in float64, then rounded to the case's dtype."""
+    gen = torch.Generator().manual_seed(case.get("seed", 0))
+    B, T, d = case["batch"], case["seq_len"], case["head_dim"]
+    heads = (case["heads"], case["kv_heads"], case["kv_heads"], case["heads"])
+    return [
+        torch.randn(B, h, T, d, generator=gen, dtype=torch.float64)
+        .to(DTYPES[case["dtype"]])
+        .to(device)
+        for h in heads
+    ]
+
+
+def _torch_error(q, k, v, grad_out, causal, expected) -> list[float]:
+    """PyTorch's own SDPA in the case's dtype against the float64 result:
+    its output's and gradients' largest errors, a yardstick."""
+    whole = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *whole, is_causal=causal, enable_gqa=True
+    )
+    out.backward(grad_out)
+    got = [out.detach(), *(t.grad for t in whole)]
+    diffs = [_diff(a.double(), b) for a, b in zip(got, expected)]
+    return [diffs[0], max(diffs[1:])]
+
+
+def _torch_cp(q, k, v, grad_out, group, device) -> list[Tensor]:
+    """PyTorch's context parallel on the same inputs: this rank's rows of
+    the output, dq, dk and dv."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if group is None:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    else:
+        mesh = DeviceMesh.from_group(group, device.type)
+    out, grads = torch_context_parallel(q, k, v, mesh, grad_out)
+    return [out, *grads]
+
+
+def _compare_cp(theirs, got, expected, own) -> dict[str, float]:
+    """PyTorch's results against ours, and against the float64 ones."""
+    return {
+        "torch_cp_vs_ring": max(_diff(a, b) for a, b in zip(theirs, got)),
+        "torch_cp_vs_dense": max(
+            _diff(a.double(), own(b)) for a, b in zip(theirs, expected)
         ),
     }
 
