@@ -259,7 +259,7 @@ def attend(
     dropped, by a backend that can (``eager``, ``sdpa``)."""
     backend = get_backend(name)
     if cache is not None:
-        served = _through_cache(backend, q, k, v, masking, cache)
+        served = read_cache(backend, q, k, v, masking, cache)
         if isinstance(served, Tensor):  # read in place
             return served
         k, v, masking = served
@@ -282,10 +282,10 @@ def attend(
     return backend.function(q, k, v, masking)
 
 
-def _through_cache(backend: Backend, q, k, v, masking: Masking, cache):
-    """The new k, v through ``cache``: the attention, where the backend
-    reads the cache in place; else every key and value and the masking
-    that reads them."""
+def read_cache(backend: Backend, q, k, v, masking: Masking, cache):
+    """The new k, v through ``cache`` (:func:`attend`'s road): the
+    attention itself, where the backend reads the cache in place; else
+    every key and value, and the masking that reads them."""
     serve = getattr(cache, "serve", None)
     if serve is not None:  # a serving step: its plan splits it by request
         return serve(backend, q, k, v, masking)

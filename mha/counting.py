@@ -36,7 +36,7 @@ __all__ = [
     "parameter_bytes",
     "attention_weights_bytes",
     "kv_cache_bytes",
-    "ModelConfig",
+    "PublishedModel",
     "MODEL_CONFIGS",
     "HeadAblationRow",
     "VASWANI2017_HEAD_ABLATION",
@@ -284,7 +284,7 @@ def kv_cache_bytes(
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class PublishedModel:
     """The attention shape of a published model, quoted from its source.
 
     Attributes:
@@ -346,8 +346,8 @@ _GPT2_SOURCE = (
 #: their released code, GPT-3 uses GPT-2's architecture, LLaMA's projections
 #: have no bias, and the equations of the original Transformer (Section 3.2.2
 #: of vaswani2017attention) have none.
-MODEL_CONFIGS: tuple[ModelConfig, ...] = (
-    ModelConfig(
+MODEL_CONFIGS: tuple[PublishedModel, ...] = (
+    PublishedModel(
         "Transformer base",
         512,
         8,
@@ -359,7 +359,7 @@ MODEL_CONFIGS: tuple[ModelConfig, ...] = (
         "encoder-decoder: 6 + 6 layers, "
         "3 attention modules per encoder/decoder pair",
     ),
-    ModelConfig(
+    PublishedModel(
         "Transformer big",
         1024,
         16,
@@ -371,7 +371,7 @@ MODEL_CONFIGS: tuple[ModelConfig, ...] = (
         "encoder-decoder: 6 + 6 layers, "
         "3 attention modules per encoder/decoder pair",
     ),
-    ModelConfig(
+    PublishedModel(
         "BERT-base",
         768,
         12,
@@ -381,7 +381,7 @@ MODEL_CONFIGS: tuple[ModelConfig, ...] = (
         "devlin2019bert",
         "Section 3 (L=12, H=768, A=12)",
     ),
-    ModelConfig(
+    PublishedModel(
         "BERT-large",
         1024,
         16,
@@ -391,7 +391,7 @@ MODEL_CONFIGS: tuple[ModelConfig, ...] = (
         "devlin2019bert",
         "Section 3 (L=24, H=1024, A=16)",
     ),
-    ModelConfig(
+    PublishedModel(
         "GPT-2 small",
         768,
         12,
@@ -401,7 +401,7 @@ MODEL_CONFIGS: tuple[ModelConfig, ...] = (
         "radford2019language,openai2019gpt2code",
         _GPT2_SOURCE,
     ),
-    ModelConfig(
+    PublishedModel(
         "GPT-2 medium",
         1024,
         16,
@@ -411,7 +411,7 @@ MODEL_CONFIGS: tuple[ModelConfig, ...] = (
         "radford2019language,openai2019gpt2code",
         _GPT2_SOURCE,
     ),
-    ModelConfig(
+    PublishedModel(
         "GPT-2 large",
         1280,
         20,
@@ -421,7 +421,7 @@ MODEL_CONFIGS: tuple[ModelConfig, ...] = (
         "radford2019language,openai2019gpt2code",
         _GPT2_SOURCE,
     ),
-    ModelConfig(
+    PublishedModel(
         "GPT-2 XL",
         1600,
         25,
@@ -431,10 +431,10 @@ MODEL_CONFIGS: tuple[ModelConfig, ...] = (
         "radford2019language,openai2019gpt2code",
         _GPT2_SOURCE,
     ),
-    ModelConfig(
+    PublishedModel(
         "GPT-3 175B", 12288, 96, 96, 96, True, "brown2020language", "Table 2.1"
     ),
-    ModelConfig(
+    PublishedModel(
         "LLaMA-7B", 4096, 32, 32, 32, False, "touvron2023llama", "Table 2"
     ),
 )

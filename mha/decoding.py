@@ -75,7 +75,9 @@ __all__ = [
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last axis, computed in float32."""
+    """x / rms(x) * weight over the last axis, normed in at least float32
+    and cast back to x's dtype before the weight (``transformers``'
+    ``LlamaRMSNorm`` and ``DeepseekV3RMSNorm``; float64 stays float64)."""
 
     def __init__(self, size: int, eps: float, **factory) -> None:
         super().__init__()
@@ -83,7 +85,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
@@ -269,10 +271,9 @@ class GroupedQueryAttention(nn.Module):
         masking = dataclasses.replace(  # the layer's own window and sinks
             masking, window=self.window, sinks=self.sinks
         )
-        heads = attend(  # the backend reads the cache, in place or gathered
-            self.backend, q, k, v, masking, cache,
-            dropout_p=self.dropout if self.training else 0.0,
-        )  # (B, H, T, d_k)  # fmt: skip
+        drop = self.dropout if self.training else 0.0
+        # the backend reads the cache, in place or gathered: (B, H, T, d_k)
+        heads = attend(self.backend, q, k, v, masking, cache, dropout_p=drop)
         return self.o_proj(merge_heads(heads))  # (B, T, D)
 
     def _check_forward(

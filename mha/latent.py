@@ -45,6 +45,7 @@ from ._validate import (
     check_probability,
     check_tensor,
 )
+from .decoding import RMSNorm
 from .functional import merge_heads, split_heads
 from .positions import Rope, as_rope, rope_cos_sin, rotate_pairs
 
@@ -56,36 +57,6 @@ __all__ = [
     "latent_softmax_scale",
     "reference_weights",
 ]
-
-
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight over the last axis, in float32.
-
-    ``transformers``' ``DeepseekV3RMSNorm``: normalized in float32, cast
-    back to the input's dtype, then multiplied by ``weight`` (float64
-    stays float64).
-    """
-
-    def __init__(
-        self,
-        width: int,
-        eps: float = 1e-6,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(
-            torch.ones(check_int("width", width), device=device, dtype=dtype)
-        )
-
-    def forward(self, x: Tensor) -> Tensor:
-        wide = x.to(torch.promote_types(x.dtype, torch.float32))
-        wide = wide * torch.rsqrt(
-            wide.pow(2).mean(-1, keepdim=True) + self.eps
-        )
-        return self.weight * wide.to(x.dtype)
 
 
 def rotate_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -181,12 +152,12 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             q_r = self.q_lora_rank
             self.q_a_proj = nn.Linear(D, q_r, bias, **factory)
-            self.q_a_layernorm = RMSNorm(q_r, **factory)
+            self.q_a_layernorm = RMSNorm(q_r, 1e-6, **factory)
             self.q_b_proj = nn.Linear(
                 q_r, H * self.qk_head_dim, False, **factory
             )
         self.kv_a_proj_with_mqa = nn.Linear(D, r + d_r, bias, **factory)
-        self.kv_a_layernorm = RMSNorm(r, **factory)
+        self.kv_a_layernorm = RMSNorm(r, 1e-6, **factory)
         self.kv_b_proj = nn.Linear(r, H * (d_n + d_v), False, **factory)
         self.o_proj = nn.Linear(H * d_v, D, bias, **factory)
 
