@@ -21,6 +21,7 @@ from ._validate import check_int
 from .positions import Rope
 
 __all__ = ["MODEL_TYPES", "LAYER_ONLY_TYPES", "ModelConfig", "read_config"]
+__all__ += ["check_context"]
 
 #: The families read: their layers differ only in the fields read here.
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -391,3 +392,16 @@ def _eos(value: object) -> tuple[int, ...]:
 def _optional_int(fields: dict, name: str, minimum: int = 1) -> int | None:
     value = fields.get(name)
     return None if value is None else check_int(name, value, minimum=minimum)
+
+
+def check_context(prompt: int, new_tokens: int, config: ModelConfig) -> None:
+    """Refuse a prompt, or a prompt and its new tokens, longer than the
+    config's ``max_position_embeddings`` (the positions it was trained on),
+    naming the lengths."""
+    most = config.max_position_embeddings
+    if most is not None and prompt + new_tokens > most:
+        raise ValueError(
+            f"the prompt ({prompt} tokens) and max_new_tokens ({new_tokens})"
+            f" must fit max_position_embeddings = {most}, got "
+            f"{prompt + new_tokens} positions"
+        )

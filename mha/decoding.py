@@ -51,6 +51,7 @@ from .caches import (
 )
 from .configs import read_config
 from .functional import (
+    RMSNorm,
     grouped_query_state_dict,
     merge_heads,
     split_heads,
@@ -72,22 +73,6 @@ __all__ = [
     "train_decoder",
     "evaluate_decoder",
 ]
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last axis, normed in at least float32
-    and cast back to x's dtype before the weight (``transformers``'
-    ``LlamaRMSNorm`` and ``DeepseekV3RMSNorm``; float64 stays float64)."""
-
-    def __init__(self, size: int, eps: float, **factory) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, **factory))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = x.to(torch.promote_types(x.dtype, torch.float32))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
 
 
 class GroupedQueryAttention(nn.Module):

@@ -11,6 +11,8 @@
 * :func:`grouped_query_state_dict`: a torch layer's projections under the
   names of :class:`mha.GroupedQueryAttention` and ``transformers``'
   ``LlamaAttention``.
+* :class:`RMSNorm`: the one RMSNorm of the package (a model's layers, Qwen3's
+  q/k norms, multi-head latent attention's).
 
 Mask convention for new code: a boolean mask is ``True`` where a query **may
 attend** (the reference's and ``F.scaled_dot_product_attention``'s convention);
@@ -41,6 +43,7 @@ __all__ = [
     "reference_weights",
     "grouped_query_state_dict",
     "key_start_from_attention_mask",
+    "RMSNorm",
 ]
 
 
@@ -275,3 +278,19 @@ def key_start_from_attention_mask(attention_mask: Tensor) -> Tensor:
             f"row), got a 0 after a 1 in row {row} at position {position + 1}"
         )
     return (mask.shape[1] - ones.sum(dim=1)).to(torch.int32)  # (B,)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last axis, normed in at least float32
+    and cast back to x's dtype before the weight (``transformers``'
+    ``LlamaRMSNorm`` and ``DeepseekV3RMSNorm``; float64 stays float64)."""
+
+    def __init__(self, size: int, eps: float, **factory) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, **factory))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)

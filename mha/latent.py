@@ -45,8 +45,7 @@ from ._validate import (
     check_probability,
     check_tensor,
 )
-from .decoding import RMSNorm
-from .functional import merge_heads, split_heads
+from .functional import RMSNorm, merge_heads, split_heads
 from .positions import Rope, as_rope, rope_cos_sin, rotate_pairs
 
 __all__ = [

@@ -26,12 +26,13 @@ from torch import Tensor, nn
 from ._validate import check_choice, check_int, check_tensor
 from .backends import Masking, get_backend
 from .caches import Cache, KVCache, PagedKVCache, cached_so_far
-from .configs import ModelConfig, read_config
-from .decoding import GroupedQueryAttention, RMSNorm
+from .configs import ModelConfig, check_context, read_config
+from .decoding import GroupedQueryAttention
+from .functional import RMSNorm
 from .sampling import Sampling, sample
 
 __all__ = ["RMSNorm", "MLP", "DecoderLayer", "CausalLM"]
-__all__ += ["sample", "check_context"]
+__all__ += ["sample"]
 
 
 class MLP(nn.Module):
@@ -55,9 +56,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, window, backend, **factory):
         super().__init__()
         eps, D = config.rms_norm_eps, config.hidden_size
-        self.self_attn = GroupedQueryAttention.from_fields(
-            config, window, backend, **factory
-        )
+        attention = GroupedQueryAttention.from_fields
+        self.self_attn = attention(config, window, backend, **factory)
         self.mlp = MLP(config, **factory)  # transformers' order of names
         self.input_layernorm = RMSNorm(D, eps, **factory)
         self.post_attention_layernorm = RMSNorm(D, eps, **factory)
@@ -117,8 +117,8 @@ class CausalLM(nn.Module):
         fields = read_config(config)
         if dtype is None and fields.dtype is not None:
             dtype = getattr(torch, fields.dtype)
-        return cls(fields, attn_backend=attn_backend, device=device,
-                   dtype=dtype)  # fmt: skip
+        factory = {"device": device, "dtype": dtype}
+        return cls(fields, attn_backend=attn_backend, **factory)
 
     @property
     def attn_backend(self) -> str:
@@ -329,19 +329,6 @@ def _tied_head(module, state_dict, prefix, *args) -> None:
         state_dict[head] = state_dict[embeddings]
 
 
-def check_context(prompt: int, new_tokens: int, config: ModelConfig) -> None:
-    """Refuse a prompt, or a prompt and its new tokens, longer than the
-    config's ``max_position_embeddings`` (the positions it was trained on),
-    naming the lengths."""
-    most = config.max_position_embeddings
-    if most is not None and prompt + new_tokens > most:
-        raise ValueError(
-            f"the prompt ({prompt} tokens) and max_new_tokens ({new_tokens})"
-            f" must fit max_position_embeddings = {most}, got "
-            f"{prompt + new_tokens} positions"
-        )
-
-
 def _check_attention_mask(
     mask: Tensor, B: int, T: int, start: int | Tensor, caches
 ) -> None:
@@ -353,10 +340,8 @@ def _check_attention_mask(
     widths = "T_k = cached + new positions"
     if caches is not None and caches[0].max_len is not None:
         widths += f" or the caches' max_len = {caches[0].max_len}"
-    if torch.compiler.is_compiling():
-        ok = mask.dim() == 2 and mask.shape[0] == B
-    else:
-        ok = mask.dim() == 2 and mask.shape[0] == B
+    ok = mask.dim() == 2 and mask.shape[0] == B
+    if not torch.compiler.is_compiling():  # start is a tensor there
         ok = ok and mask.shape[1] >= start + T
     if not ok:
         raise ValueError(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._validate import check_int
-from ..model import check_context
+from ..configs import check_context
 from ..sampling import SAMPLING_ARGUMENTS, Sampling
 
 __all__ = ["Status", "Sequence", "SAMPLING"]
