@@ -157,16 +157,23 @@ def _attend(
         if HAS_WINDOW:  # and none before its window
             keep = keep & (cols[None, :] > rows[:, None] + offset - window)
         scores = tl.where(keep, scores, float("-inf"))  # (B_q, B_k)
-        m_new = tl.maximum(m, tl.reduce(scores, 1, _maximum))  # row max
-        # a row with no visible key yet: exponentiate against 0, no NaN
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        rescale = tl.exp(m - m_safe)  # brings old sums to the new maximum
-        p = tl.exp(scores - m_safe[:, None])  # (B_q, B_k)
-        ell = rescale * ell + tl.reduce(p, 1, _add)  # row sum
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        acc = rescale[:, None] * acc + pv  # (B_q, d_v)
-        m = m_new
+        m, ell, acc = _online_step(m, ell, acc, scores, v, PRECISION)
     return m, ell, acc
+
+
+@triton.jit
+def _online_step(m, ell, acc, scores, v, PRECISION: tl.constexpr):
+    """One tile of keys into the running maximum ``m``, sum ``ell`` and
+    weighted values ``acc``: the online softmax's step, which every
+    forward kernel (this module's and the paged one) takes."""
+    m_new = tl.maximum(m, tl.reduce(scores, 1, _maximum))  # row max
+    # a row with no visible key yet: exponentiate against 0, no NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    rescale = tl.exp(m - m_safe)  # brings old sums to the new maximum
+    p = tl.exp(scores - m_safe[:, None])  # (B_q, B_k)
+    ell = rescale * ell + tl.reduce(p, 1, _add)  # row sum
+    pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, ell, rescale[:, None] * acc + pv  # acc: (B_q, d_v)
 
 
 @triton.jit
@@ -704,7 +711,8 @@ def _multiprocessors(device: torch.device) -> int:
     return H100_MULTIPROCESSORS
 
 
-#: Public names of two helpers that :mod:`mha.kernels.paged` shares.
+#: Public names of the helpers that :mod:`mha.kernels.paged` shares.
+online_step = _online_step
 finish_rows = _finish
 multiprocessors = _multiprocessors
 

@@ -49,6 +49,7 @@ from .attention import (
     finish_rows,
     merge_partials,
     multiprocessors,
+    online_step,
 )
 from .paged_torch import check_paged_inputs
 from .tiles import (
@@ -60,10 +61,6 @@ from .tiles import (
 )
 
 __all__ = ["paged_forward", "paged_launch", "triton_paged_attention"]
-
-# The combine functions of tl.max and tl.sum, as in mha.kernels.attention.
-_maximum = tl.standard._elementwise_max
-_add = tl.standard._sum_combine
 
 
 @triton.jit
@@ -139,14 +136,7 @@ def _paged_kernel(
         if HAS_WINDOW:  # each row's own window: p - j < window
             keep = keep & (position[:, None] - cols[None, :] < window)
         scores = tl.where(keep, scores, float("-inf"))  # (B_q, B_k)
-        m_new = tl.maximum(m, tl.reduce(scores, 1, _maximum))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        rescale = tl.exp(m - m_safe)
-        p = tl.exp(scores - m_safe[:, None])
-        ell = rescale * ell + tl.reduce(p, 1, _add)
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        acc = rescale[:, None] * acc + pv
-        m = m_new
+        m, ell, acc = online_step(m, ell, acc, scores, v, PRECISION)
     out, logsumexp = finish_rows(m, ell, acc)
     part = batch_kv * num_splits + split  # partial[b, kv, split]
     out_tile = (Partial + part * num_rows * HEAD_DIM + r[:, None] * HEAD_DIM
