@@ -10,6 +10,12 @@ names it. A field it does not know is refused unless it is switched off
 (None, False or 0): never silently ignored, since a model that ignores a
 field of its configuration (Gemma 2's ``attn_logit_softcapping``, a
 ``partial_rotary_factor``) computes something else.
+
+:func:`read_latent_config` reads a ``DeepseekV3Config`` for multi-head
+latent attention (:class:`mha.latent.MultiHeadLatentAttention`) by the same
+rules, its rotary positions by the same parser. :func:`check_context`
+refuses a prompt and its new tokens longer than the configuration's
+positions.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from ._validate import check_int
 from .positions import Rope
 
 __all__ = ["MODEL_TYPES", "LAYER_ONLY_TYPES", "ModelConfig", "read_config"]
-__all__ += ["check_context"]
+__all__ += ["check_context", "read_latent_config"]
 
 #: The families read: their layers differ only in the fields read here.
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -405,3 +411,107 @@ def check_context(prompt: int, new_tokens: int, config: ModelConfig) -> None:
             f" must fit max_position_embeddings = {most}, got "
             f"{prompt + new_tokens} positions"
         )
+
+
+# ---------------------------------------------------------------------------
+# Multi-head latent attention's fields (DeepSeek-V3)
+
+#: Fields of a DeepSeek-V3 configuration that the layer reads.
+_LATENT_READ = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "attention_bias",
+    "attention_dropout",
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "rope_interleave",
+    "max_position_embeddings",
+    "head_dim",
+    "qk_head_dim",
+)
+
+#: The model's other fields: not the attention layer's (experts, norms of the
+#: decoder, vocabulary, training, generation), passed over.
+_LATENT_MODEL_FIELDS = frozenset(
+    "vocab_size intermediate_size moe_intermediate_size num_hidden_layers "
+    "n_shared_experts n_routed_experts routed_scaling_factor n_group "
+    "topk_group num_experts_per_tok first_k_dense_replace norm_topk_prob "
+    "hidden_act initializer_range rms_norm_eps use_cache pad_token_id "
+    "bos_token_id eos_token_id pretraining_tp tie_word_embeddings "
+    "output_router_logits num_nextn_predict_layers num_mtp_layers "
+    "aux_loss_alpha seq_aux ep_size moe_layer_freq scoring_func topk_method "
+    "_name_or_path architectures chunk_size_feed_forward dtype torch_dtype "
+    "id2label label2id is_encoder_decoder model_type output_attentions "
+    "output_hidden_states problem_type return_dict transformers_version "
+    "auto_map".split()
+)
+
+
+def read_latent_config(config: object) -> dict:
+    """The arguments of :class:`mha.latent.MultiHeadLatentAttention` from a
+    DeepSeek-V3 configuration (a ``DeepseekV3Config`` or a dict of its
+    fields), checked: a field the layer does not implement is refused by
+    name; the rotary positions read as every other family's
+    (:func:`_rope`)."""
+    if isinstance(config, Mapping):
+        fields = dict(config)
+    elif hasattr(config, "to_dict"):
+        fields = config.to_dict()
+    else:
+        raise TypeError(
+            "config must be a DeepseekV3Config or a dict of its fields, got "
+            f"{type(config).__name__}"
+        )
+    model_type = fields.get("model_type", "deepseek_v3")
+    if model_type != "deepseek_v3":
+        raise ValueError(
+            f"config must be a DeepSeek-V3 configuration (model_type "
+            f"'deepseek_v3'), got model_type {model_type!r}"
+        )
+    unknown = sorted(set(fields) - set(_LATENT_READ) - _LATENT_MODEL_FIELDS)
+    if unknown:
+        raise ValueError(
+            f"config has fields that MultiHeadLatentAttention does not "
+            f"implement: {', '.join(unknown)}"
+        )
+    for name in ("hidden_size", "num_attention_heads"):
+        if fields.get(name) is None:
+            raise ValueError(f"config must give {name}, got none")
+    heads = fields["num_attention_heads"]
+    kv_heads = fields.get("num_key_value_heads") or heads
+    if kv_heads != heads:
+        raise ValueError(
+            "num_key_value_heads must equal num_attention_heads = "
+            f"{heads} (every head reads its keys and values out of the "
+            f"latent), got {kv_heads}"
+        )
+    d_r = fields.get("qk_rope_head_dim", 64)  # DeepseekV3Config's defaults
+    d_n = fields.get("qk_nope_head_dim", 128)
+    for name, want in (("head_dim", d_r), ("qk_head_dim", d_n + d_r)):
+        if fields.get(name) not in (None, want):
+            raise ValueError(
+                f"{name} must be {want} for qk_rope_head_dim = {d_r} and "
+                f"qk_nope_head_dim = {d_n}, got {fields[name]}"
+            )
+    rope = _rope(fields)
+    interleave = fields.get("rope_interleave", True)
+    return {
+        "hidden_size": fields["hidden_size"],
+        "num_heads": heads,
+        "kv_lora_rank": fields.get("kv_lora_rank", 512),
+        "qk_rope_head_dim": d_r,
+        "qk_nope_head_dim": d_n,
+        "v_head_dim": fields.get("v_head_dim") or 128,
+        "q_lora_rank": fields.get("q_lora_rank", 1536),
+        "bias": bool(fields.get("attention_bias", False)),
+        "rope": rope,
+        "rope_interleave": True if interleave is None else bool(interleave),
+        "dropout": float(fields.get("attention_dropout") or 0.0),
+    }

@@ -32,7 +32,6 @@ qk_rope_head_dim, ``d_v`` v_head_dim.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -45,6 +44,7 @@ from ._validate import (
     check_probability,
     check_tensor,
 )
+from .configs import read_latent_config
 from .functional import RMSNorm, merge_heads, split_heads
 from .positions import Rope, as_rope, rope_cos_sin, rotate_pairs
 
@@ -175,7 +175,7 @@ class MultiHeadLatentAttention(nn.Module):
         that would change the attention and is not implemented here
         (``quantization_config``, ``num_key_value_heads != H``, an unknown
         key) raises ``ValueError`` naming it."""
-        fields = _latent_fields(config)
+        fields = read_latent_config(config)
         return cls(**fields, device=device, dtype=dtype)
 
     def forward(
@@ -468,112 +468,3 @@ def reference_weights(
             array = array.T
         weights[name] = array
     return weights
-
-
-# ---------------------------------------------------------------------------
-# Reading a DeepseekV3Config
-
-#: Fields of a DeepSeek-V3 configuration that the layer reads.
-_READ = (
-    "hidden_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_rope_head_dim",
-    "qk_nope_head_dim",
-    "v_head_dim",
-    "attention_bias",
-    "attention_dropout",
-    "rope_parameters",
-    "rope_scaling",
-    "rope_theta",
-    "rope_interleave",
-    "max_position_embeddings",
-    "head_dim",
-    "qk_head_dim",
-)
-
-#: The model's other fields: not the attention layer's (experts, norms of the
-#: decoder, vocabulary, training, generation), passed over.
-_MODEL_FIELDS = frozenset(
-    "vocab_size intermediate_size moe_intermediate_size num_hidden_layers "
-    "n_shared_experts n_routed_experts routed_scaling_factor n_group "
-    "topk_group num_experts_per_tok first_k_dense_replace norm_topk_prob "
-    "hidden_act initializer_range rms_norm_eps use_cache pad_token_id "
-    "bos_token_id eos_token_id pretraining_tp tie_word_embeddings "
-    "output_router_logits num_nextn_predict_layers num_mtp_layers "
-    "aux_loss_alpha seq_aux ep_size moe_layer_freq scoring_func topk_method "
-    "_name_or_path architectures chunk_size_feed_forward dtype torch_dtype "
-    "id2label label2id is_encoder_decoder model_type output_attentions "
-    "output_hidden_states problem_type return_dict transformers_version "
-    "auto_map".split()
-)
-
-
-def _latent_fields(config: object) -> dict:
-    """The layer's arguments from a DeepSeek-V3 configuration, checked."""
-    if isinstance(config, Mapping):
-        fields = dict(config)
-    elif hasattr(config, "to_dict"):
-        fields = config.to_dict()
-    else:
-        raise TypeError(
-            "config must be a DeepseekV3Config or a dict of its fields, got "
-            f"{type(config).__name__}"
-        )
-    model_type = fields.get("model_type", "deepseek_v3")
-    if model_type != "deepseek_v3":
-        raise ValueError(
-            f"config must be a DeepSeek-V3 configuration (model_type "
-            f"'deepseek_v3'), got model_type {model_type!r}"
-        )
-    unknown = sorted(set(fields) - set(_READ) - _MODEL_FIELDS)
-    if unknown:
-        raise ValueError(
-            f"config has fields that MultiHeadLatentAttention does not "
-            f"implement: {', '.join(unknown)}"
-        )
-    for name in ("hidden_size", "num_attention_heads"):
-        if fields.get(name) is None:
-            raise ValueError(f"config must give {name}, got none")
-    heads = fields["num_attention_heads"]
-    kv_heads = fields.get("num_key_value_heads") or heads
-    if kv_heads != heads:
-        raise ValueError(
-            "num_key_value_heads must equal num_attention_heads = "
-            f"{heads} (every head reads its keys and values out of the "
-            f"latent), got {kv_heads}"
-        )
-    d_r = fields.get("qk_rope_head_dim", 64)  # DeepseekV3Config's defaults
-    d_n = fields.get("qk_nope_head_dim", 128)
-    for name, want in (("head_dim", d_r), ("qk_head_dim", d_n + d_r)):
-        if fields.get(name) not in (None, want):
-            raise ValueError(
-                f"{name} must be {want} for qk_rope_head_dim = {d_r} and "
-                f"qk_nope_head_dim = {d_n}, got {fields[name]}"
-            )
-    parameters = dict(
-        fields.get("rope_parameters") or fields.get("rope_scaling") or {}
-    )
-    if "type" in parameters and "rope_type" not in parameters:
-        parameters["rope_type"] = parameters.pop("type")
-    parameters.setdefault("rope_theta", fields.get("rope_theta") or 10000.0)
-    rope = Rope.from_parameters(
-        parameters,
-        max_position_embeddings=fields.get("max_position_embeddings"),
-    )
-    interleave = fields.get("rope_interleave", True)
-    return {
-        "hidden_size": fields["hidden_size"],
-        "num_heads": heads,
-        "kv_lora_rank": fields.get("kv_lora_rank", 512),
-        "qk_rope_head_dim": d_r,
-        "qk_nope_head_dim": d_n,
-        "v_head_dim": fields.get("v_head_dim") or 128,
-        "q_lora_rank": fields.get("q_lora_rank", 1536),
-        "bias": bool(fields.get("attention_bias", False)),
-        "rope": rope,
-        "rope_interleave": True if interleave is None else bool(interleave),
-        "dropout": float(fields.get("attention_dropout") or 0.0),
-    }
