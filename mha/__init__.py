@@ -77,7 +77,7 @@ _LAZY = {
     "RollingKVCache": "mha.caches",
     "CausalLM": "mha.model",
     "attention_backends": "mha.backends",
-    "register_transformers_backends": "mha.backends",
+    "register_transformers_backends": "mha.transformers_backends",
     "MultiHeadLatentAttention": "mha.latent",
     "LatentKVCache": "mha.latent",
     "Engine": "mha.serving",

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -60,7 +59,6 @@ __all__ = [
     "attend",
     "check_qkv",
     "grouped_attention",
-    "register_transformers_backends",
 ]
 
 MASK_KINDS = ("causal", "window", "padding", "dense", "offset", "sinks")
@@ -106,9 +104,12 @@ class Masking:
         ones = padding.to(torch.int32)  # (B, T_k)
         left = (ones[:, 1:] >= ones[:, :-1]).all()  # zeros, then ones
         kept = ones.sum(dim=1)  # (B,) tokens per row
-        left, every = (bool(x) for x in torch.stack(
-            (left, (kept == padding.shape[1]).all())
-        ).tolist())  # fmt: skip
+        left, every = (
+            bool(x)
+            for x in torch.stack(
+                (left, (kept == padding.shape[1]).all())
+            ).tolist()
+        )
         if every:
             return cls(**fields)
         key_start = (padding.shape[1] - kept).to(torch.int32) if left else None
@@ -218,8 +219,15 @@ def register(
         raise ValueError(f"masks must be among {MASK_KINDS}, got {unknown}")
 
     def add(function):
-        BACKENDS[name] = Backend(name, function, frozenset(masks), summary,
-                                 paged, whole_cache, dropout)  # fmt: skip
+        BACKENDS[name] = Backend(
+            name,
+            function,
+            frozenset(masks),
+            summary,
+            paged,
+            whole_cache,
+            dropout,
+        )
         return function
 
     return add
@@ -300,9 +308,12 @@ def read_cache(backend: Backend, q, k, v, masking: Masking, cache):
     ):  # only the new keys written: the kernel reads the pool
         cache.write(k, v)
         return backend.paged(  # the cache's own table: no read, no check
-            q, *cache.pages(), key_start=masking.first_keys(len(cache)),
-            window=masking.window, max_seq_len=len(cache),
-        )  # fmt: skip
+            q,
+            *cache.pages(),
+            key_start=masking.first_keys(len(cache)),
+            window=masking.window,
+            max_seq_len=len(cache),
+        )
     start = cached_so_far(cache)  # the first new query's index
     k, v = cache.update(k, v)  # (B, H_kv, T_k, d_k)
     if compiling:  # every slot of the cache; those after the new, hidden
@@ -313,10 +324,10 @@ def read_cache(backend: Backend, q, k, v, masking: Masking, cache):
     if in_place and backend.whole_cache and isinstance(cache, KVCache):
         padding = masking.padding  # the slots not written: causal hides
         if padding is not None:
-            padding = F.pad(padding, (0, cache.max_len - padding.shape[1]),
-                            value=True)  # fmt: skip
-        masking = dataclasses.replace(masking, q_offset=start,
-                                      padding=padding)  # fmt: skip
+            padding = F.pad(
+                padding, (0, cache.max_len - padding.shape[1]), value=True
+            )
+        masking = dataclasses.replace(masking, q_offset=start, padding=padding)
         return cache.keys, cache.values, masking  # (B, H_kv, max_len, d_k)
     return k, v, masking
 
@@ -383,9 +394,11 @@ def _grouped(keep: Tensor, num_kv_heads: int, group: int) -> Tensor:
 
 
 @register(
-    "eager", masks=MASK_KINDS[:5], summary="softmax(QK^T/sqrt(d))V",
+    "eager",
+    masks=MASK_KINDS[:5],
+    summary="softmax(QK^T/sqrt(d))V",
     dropout=True,
-)  # fmt: skip
+)
 def eager(
     q: Tensor, k: Tensor, v: Tensor, masking: Masking, dropout_p=0.0
 ) -> Tensor:
@@ -395,9 +408,11 @@ def eager(
 
 
 @register(
-    "sdpa", masks=MASK_KINDS, summary="F.scaled_dot_product_attention",
+    "sdpa",
+    masks=MASK_KINDS,
+    summary="F.scaled_dot_product_attention",
     dropout=True,
-)  # fmt: skip
+)
 def sdpa(
     q: Tensor, k: Tensor, v: Tensor, masking: Masking, dropout_p=0.0
 ) -> Tensor:
@@ -460,15 +475,12 @@ def tiled(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     return _sliced(run, q, k, v, masking)
 
 
-def _triton_paged(q, k_pool, v_pool, block_table, seq_lens, *, key_start,
-                  window, max_seq_len=None) -> Tensor:  # fmt: skip
-    """The paged kernel (chapter 17): keys and values read in the pool."""
+def _triton_paged(*pools, **masks) -> Tensor:
+    """The paged kernel (chapter 17): keys and values read in the pool,
+    :func:`mha.kernels.triton_paged_attention`."""
     from . import kernels
 
-    return kernels.triton_paged_attention(
-        q, k_pool, v_pool, block_table, seq_lens, key_start=key_start,
-        window=window, max_seq_len=max_seq_len,
-    )  # fmt: skip
+    return kernels.triton_paged_attention(*pools, **masks)
 
 
 @register(
@@ -488,9 +500,14 @@ def triton(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
         if q.shape[2] == 1 and not _needs_grad(q, k, v):  # a decoding step:
             # the keys split across programs (forward only)
             return kernels.triton_split_kv_attention(
-                q, k, v, causal=causal, key_start=key_start, window=window,
+                q,
+                k,
+                v,
+                causal=causal,
+                key_start=key_start,
+                window=window,
                 num_splits=2 if kernels.INTERPRETED else None,
-            )  # fmt: skip
+            )
         return kernels.triton_attention(
             q, k, v, causal=causal, key_start=key_start, window=window
         )
@@ -523,9 +540,11 @@ def _sliced(run, q: Tensor, k: Tensor, v: Tensor, masking: Masking):
 
 
 @register(
-    "flex", masks=MASK_KINDS[:4], summary="FlexAttention, mask_mods",
+    "flex",
+    masks=MASK_KINDS[:4],
+    summary="FlexAttention, mask_mods",
     whole_cache=True,
-)  # fmt: skip
+)
 def flex(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     """FlexAttention under one mask_mod built from the masking, with
     chapter 15's functions (:func:`mha.variants.causal`,
@@ -570,8 +589,9 @@ def flex(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     if masking.dense is not None:
         dense = masking.dense[..., :t_k]
         dense = dense.expand(q.shape[0], q.shape[1], t_q, t_k)
-        parts.append(lambda b, h, q_idx, kv_idx: dense[b, h, q_idx - offset,
-                                                       kv_idx])  # fmt: skip
+        parts.append(
+            lambda b, h, q_idx, kv_idx: dense[b, h, q_idx - offset, kv_idx]
+        )
 
     def mask_mod(b, h, q_idx, kv_idx):
         at = q_idx + offset  # the query's key index
@@ -600,133 +620,3 @@ def _flex_compiled(q: Tensor) -> bool:
     """The flex backend compiles FlexAttention on a GPU; on a CPU it runs
     the unfused form (no compiler to wait for)."""
     return q.is_cuda
-
-
-# ---------------------------------------------------------------------------
-# The backends in transformers' models
-
-
-#: transformers' names of the backends it may run (no "flash" in a name:
-#: transformers reads such a name as a kernel to fetch from its hub).
-TRANSFORMERS_NAMES = {"mha_tiled": "tiled", "mha_triton": "triton",
-                      "mha_flex": "flex"}  # fmt: skip
-
-
-def register_transformers_backends() -> tuple[str, ...]:
-    """Register ``mha_tiled``, ``mha_triton`` and ``mha_flex`` in
-    transformers' ``AttentionInterface``, each with its mask function in
-    ``AttentionMaskInterface``, so that ``AutoModelForCausalLM
-    .from_config(config, attn_implementation="mha_triton")`` runs our
-    kernels. The mask function writes out the mask transformers asks for
-    (its ``mask_function``: causal, sliding window, chunked attention,
-    packed sequences, padding), as its ``sdpa`` does; the attention function
-    serves it as a causal mask with a window and a first key per row when it
-    is one (:class:`Masking`), else as a dense mask where the backend takes
-    one (``flex``), else refuses it by name: no mask is dropped. Returns the
-    names."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    for hf_name, name in TRANSFORMERS_NAMES.items():
-        AttentionInterface.register(hf_name, _transformers_attention(name))
-        AttentionMaskInterface.register(hf_name, _written_out_mask)
-    return tuple(TRANSFORMERS_NAMES)
-
-
-#: flash-attention's arguments for packed sequences, which these backends
-#: do not read (transformers builds the packed mask from position_ids).
-VARLEN_ARGUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-                    "max_length_k")  # fmt: skip
-
-
-def _transformers_attention(name: str):
-    """transformers' attention signature around backend ``name``."""
-
-    def attention(module, query, key, value, attention_mask, dropout=0.0,
-                  scaling=None, sliding_window=None, is_causal=None,
-                  **kwargs):  # fmt: skip
-        d_k = query.shape[-1]
-        refused = {
-            "dropout": dropout if module.training and dropout else None,
-            "scaling": None if scaling in (None, d_k**-0.5) else scaling,
-            "softcap": kwargs.get("softcap"),
-            "s_aux": kwargs.get("s_aux"),  # learned sinks
-            **{k: kwargs[k] for k in VARLEN_ARGUMENTS if k in kwargs},
-        }
-        refused = {k: v for k, v in refused.items() if v is not None}
-        if refused:
-            raise ValueError(
-                f"the {name!r} backend does not implement {sorted(refused)}"
-            )
-        if kwargs.get("output_attentions", False):  # as transformers' sdpa
-            warnings.warn(
-                f"the {name!r} backend computes no attention weights: "
-                "output_attentions=True returns None for them; use "
-                "attn_implementation='eager' for the weights",
-                stacklevel=2,
-            )
-        causal = getattr(module, "is_causal", True)
-        causal = causal if is_causal is None else bool(is_causal)
-        masking = _served(name, attention_mask, causal, sliding_window,
-                          query.shape[2], key.shape[2])  # fmt: skip
-        out = attend(name, query, key, value, masking)  # (B, H, T, d_k)
-        return out.transpose(1, 2).contiguous(), None  # (B, T, H, d_k)
-
-    return attention
-
-
-def _written_out_mask(batch_size, q_length, kv_length, q_offset=0,
-                      kv_offset=0, mask_function=None, attention_mask=None,
-                      **kwargs):  # fmt: skip
-    """transformers' mask function: the mask its ``mask_function`` asks
-    for, (B, 1, T_q, T_k) bool, True = may attend (transformers'
-    ``sdpa_mask``, every element written out)."""
-    from transformers.masking_utils import causal_mask_function, sdpa_mask
-
-    return sdpa_mask(
-        batch_size, q_length, kv_length, q_offset, kv_offset,
-        mask_function=mask_function or causal_mask_function,
-        attention_mask=attention_mask, allow_is_causal_skip=False,
-        device=kwargs.get("device", "cpu"),
-    )  # fmt: skip
-
-
-def _served(name, mask, causal, window, t_q, t_k) -> Masking:
-    """The :class:`Masking` that serves transformers' written-out ``mask``
-    (B, 1, T_q, T_k): causal (bottom-right), the window and a first key
-    per row when it is exactly that; else the mask itself, where backend
-    ``name`` takes dense masks; else a ValueError naming what it holds."""
-    if mask is None:
-        return Masking(causal=causal, window=window)
-    if mask.dim() != 4 or tuple(mask.shape[-2:]) != (t_q, t_k):
-        raise ValueError(
-            f"the {name!r} backend takes its own mask function's (B, 1, T_q,"
-            f" T_k) = (., 1, {t_q}, {t_k}) mask, got shape "
-            f"{tuple(mask.shape)}"
-        )
-    cached = getattr(mask, "_mha_masking", None)  # one answer per mask
-    if cached is not None and cached[0] == (name, causal, window):
-        return cached[1]
-    mask = mask.to(torch.bool)
-    seen = mask[:, 0].any(dim=1)  # (B, T_k): keys some query sees
-    first = torch.where(seen.any(-1), seen.float().argmax(-1), t_k)  # (B,)
-    padding = torch.arange(t_k, device=mask.device) >= first[:, None]
-    simple = Masking(causal=causal, window=window, padding=padding)
-    keep = simple.keep(t_q, t_k, mask.device)
-    keep = torch.ones_like(mask) if keep is None else keep
-    if torch.equal(keep.expand_as(mask), mask):
-        masking = simple if not bool(padding.all()) else (
-            Masking(causal=causal, window=window)
-        )  # fmt: skip
-    elif "dense" in get_backend(name).masks:
-        masking = Masking(causal=False, dense=mask)
-    else:
-        raise ValueError(
-            f"transformers asked the {name!r} backend for a mask that is not"
-            " causal attention with a sliding window and left padding "
-            "(chunked attention, packed sequences or another mask "
-            f"function): {name!r} takes none; use mha_flex, or transformers'"
-            " own sdpa or eager"
-        )
-    mask._mha_masking = ((name, causal, window), masking)
-    return masking

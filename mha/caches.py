@@ -285,17 +285,19 @@ class PagedKVCache:
         self.max_len = check_int("max_len", max_len)
         shared = share_table_with
         if shared is not None:
-            _check_shared(shared, batch, max_len, block_size, num_blocks,
-                          allocator)  # fmt: skip
+            _check_shared(
+                shared, batch, max_len, block_size, num_blocks, allocator
+            )
             allocator = shared.allocator
         elif allocator is None:
             block_size = check_int("block_size", block_size or 16)
             if num_blocks is None:  # enough for every row at max_len
                 num_blocks = batch * -(-max_len // block_size)
             allocator = BlockAllocator(
-                check_int("num_blocks", num_blocks), block_size,
+                check_int("num_blocks", num_blocks),
+                block_size,
                 prefix_caching=False,
-            )  # fmt: skip
+            )
         else:
             _check_allocator(allocator, block_size, num_blocks)
         self.allocator = allocator
@@ -324,9 +326,11 @@ class PagedKVCache:
             _set_length(self, len(shared))
             return
         self.block_table = torch.full(
-            (batch, self.blocks_per_row), self.null_block,
-            dtype=torch.int32, device=self.device,
-        )  # (B, blocks per row)  # fmt: skip
+            (batch, self.blocks_per_row),
+            self.null_block,
+            dtype=torch.int32,
+            device=self.device,
+        )  # (B, blocks per row)
         self.active = torch.ones(batch, dtype=torch.bool, device=self.device)
         self._rows: list[list[int]] = [[] for _ in range(batch)]  # on host
         self._live = list(range(batch))  # the rows not freed
@@ -509,8 +513,10 @@ def _check_shared(
             f"share_table_with must have the same (batch, max_len), got "
             f"{(shared.batch, shared.max_len)} for {(batch, max_len)}"
         )
-    for name, asked in (("block_size", block_size),
-                        ("num_blocks", num_blocks)):  # fmt: skip
+    for name, asked in (
+        ("block_size", block_size),
+        ("num_blocks", num_blocks),
+    ):
         if asked is not None and asked != getattr(shared, name):
             raise ValueError(
                 f"{name} must be the shared table's ({getattr(shared, name)})"

@@ -191,8 +191,9 @@ class GroupedQueryAttention(nn.Module):
         (``sliding_window``) or ``"full_attention"`` (none), as in
         ``GptOssAttention(config, layer_idx)``."""
         fields = read_config(config, layer=True)
-        window = _layer_window(fields.windows, fields.sliding_window,
-                               layer_idx)  # fmt: skip
+        window = _layer_window(
+            fields.windows, fields.sliding_window, layer_idx
+        )
         return cls.from_fields(fields, window, device=device, dtype=dtype)
 
     @classmethod
@@ -526,9 +527,13 @@ class Decoder(nn.Module):
             attn, weight = self.attns[0], self.head.weight
             for cache in caches:
                 cache.check_update(
-                    tokens.shape[0], attn.num_kv_heads, tokens.shape[1],
-                    attn.head_dim, weight.dtype, weight.device,
-                )  # fmt: skip
+                    tokens.shape[0],
+                    attn.num_kv_heads,
+                    tokens.shape[1],
+                    attn.head_dim,
+                    weight.dtype,
+                    weight.device,
+                )
         x = self.embed(tokens)  # (B, T, D)
         for i, attn in enumerate(self.attns):
             cache = None if caches is None else caches[i]

@@ -496,9 +496,11 @@ def _tiled_forward(
             q_tile.shape[:-1] + v.shape[-1:], dtype=acc_dtype, device=q.device
         )  # (..., B_q, d_v)
         for cols in _in_window(
-            key_blocks(rows, t_q, t_k, block_k, causal), rows, t_k - t_q,
+            key_blocks(rows, t_q, t_k, block_k, causal),
+            rows,
+            t_k - t_q,
             window,
-        ):  # fmt: skip
+        ):
             k_tile, v_tile = k[..., cols, :], v[..., cols, :]
             if key_start is not None:  # padding: hidden, and zeros
                 visible = _visible_keys(key_start, cols, q.ndim)
@@ -507,8 +509,9 @@ def _tiled_forward(
             scores = (q_tile @ k_tile.transpose(-1, -2)).to(acc_dtype)
             scores = scores * scale  # (..., B_q, B_k)
             if causal or window is not None:
-                keep = _keep_torch(rows, cols, t_k - t_q, causal, window,
-                                   q.device)  # fmt: skip
+                keep = _keep_torch(
+                    rows, cols, t_k - t_q, causal, window, q.device
+                )
                 scores = scores.masked_fill(~keep, -math.inf)
             if key_start is not None:  # (B, 1, .., 1, B_k) over the scores
                 scores = scores.masked_fill(~visible.mT, -math.inf)
@@ -590,9 +593,11 @@ def _tiled_backward(
         rows = slice(q_start, min(q_start + block_q, t_q))
         q_tile, do_tile = q[..., rows, :], d_out[..., rows, :]
         for cols in _in_window(
-            key_blocks(rows, t_q, t_k, block_k, causal), rows, t_k - t_q,
+            key_blocks(rows, t_q, t_k, block_k, causal),
+            rows,
+            t_k - t_q,
             window,
-        ):  # fmt: skip
+        ):
             k_tile, v_tile = k[..., cols, :], v[..., cols, :]
             if key_start is not None:  # padding: zeros, and no weight
                 visible = _visible_keys(key_start, cols, q.ndim)
@@ -601,8 +606,9 @@ def _tiled_backward(
             scores = (q_tile @ k_tile.transpose(-1, -2)).to(acc_dtype) * scale
             p = torch.exp(scores - logsumexp[..., rows, None])  # recomputed
             if causal or window is not None:
-                keep = _keep_torch(rows, cols, t_k - t_q, causal, window,
-                                   q.device)  # fmt: skip
+                keep = _keep_torch(
+                    rows, cols, t_k - t_q, causal, window, q.device
+                )
                 p = p.masked_fill(~keep, 0.0)
             if key_start is not None:
                 p = p.masked_fill(~visible.mT, 0.0)
@@ -625,17 +631,32 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, q, k, v, causal, block_q, block_k, scale, key_start, sinks=None,
+        ctx,
+        q,
+        k,
+        v,
+        causal,
+        block_q,
+        block_k,
+        scale,
+        key_start,
+        sinks=None,
         window=None,
-    ):  # fmt: skip
+    ):
         *grouped_qkv, grouped = group_heads(q, k, v)
         sink = None
         if sinks is not None:
             sink = sink_rows(sinks, grouped_qkv[0], grouped)
         out, logsumexp = _tiled_forward(
-            *grouped_qkv, causal, block_q, block_k, scale, key_start, sink,
+            *grouped_qkv,
+            causal,
+            block_q,
+            block_k,
+            scale,
+            key_start,
+            sink,
             window,
-        )  # fmt: skip
+        )
         out = ungroup_heads(out, grouped)  # (..., H, T_q, d_v)
         logsumexp = ungroup_heads(logsumexp[..., None], grouped)[..., 0]
         ctx.save_for_backward(q, k, v, out, logsumexp, sinks)
@@ -735,9 +756,17 @@ def flash_attention_torch(
         _check_sinks(sinks, tuple(q.shape), None)
         check_same("q and sinks", (q, sinks))
     return FlashAttention.apply(
-        q, k, v, bool(causal), block_q, block_k, scale, key_start, sinks,
+        q,
+        k,
+        v,
+        bool(causal),
+        block_q,
+        block_k,
+        scale,
+        key_start,
+        sinks,
         window,
-    )  # fmt: skip
+    )
 
 
 # ---------------------------------------------------------------------------

@@ -167,8 +167,8 @@ class CausalLM(nn.Module):
                 masking=masking,
             )
         if isinstance(logits_to_keep, Tensor):  # positions' indices
-            check_tensor("logits_to_keep", logits_to_keep, kind="integer",
-                         ndim=1, shape="(n,)")  # fmt: skip
+            spec = {"kind": "integer", "ndim": 1, "shape": "(n,)"}
+            check_tensor("logits_to_keep", logits_to_keep, **spec)
         else:  # the last n; 0: slice(0, None), every position
             n = check_int("logits_to_keep", logits_to_keep, minimum=0)
             logits_to_keep = slice(-n, None)
@@ -209,31 +209,31 @@ class CausalLM(nn.Module):
     ) -> Tensor:
         """Prompt and new tokens, (B, T + new), as transformers' generate.
 
-        The next token as :class:`mha.sampling.Sampling` chooses it:
-        greedy, or sampled (``do_sample=True``) with transformers' warpers
-        and defaults (``top_k`` 50 unless given; 0 switches it off, as
-        ``top_p=1.0`` does), drawn with ``generator``; ``settings``:
+        The next token as :class:`mha.sampling.Sampling` chooses it: greedy,
+        or sampled (``do_sample=True``) with transformers' warpers and
+        defaults (``top_k`` 50 unless given; 0 switches it off, as
+        ``top_p=1.0`` does), drawn with ``generator``; ``settings``: its
         ``min_p``, ``repetition_penalty``, ``min_new_tokens``,
-        ``eos_token_id``, ``pad_token_id`` and ``generation_config`` (a
-        generation_config.json dict, whose values stand where an argument
-        is not given). ``attention_mask`` (B, T): 0 at the pads of a
-        left-padded batch (each row's positions then count from its first
-        token). A row that has produced a stop token (the config's
-        ``eos_token_id`` unless given) continues with the pad token
-        (``pad_token_id``, or the first stop token); generation stops when
-        every row has, so ``new`` may be less than ``max_new_tokens``.
-        """
+        ``eos_token_id``, ``pad_token_id``, ``generation_config`` (a dict,
+        read where an argument is not given). ``attention_mask`` (B, T): 0
+        at the pads of a left-padded batch (positions count from each row's
+        first token). A row that has produced a stop token continues with
+        the pad token (or the first stop token); generation stops when every
+        row has, so ``new`` may be less than ``max_new_tokens``."""
         B, T = self._check_generate(input_ids, max_new_tokens, attention_mask)
         chooser = Sampling.resolve(
-            self.config, settings.pop("generation_config", None),
-            do_sample=do_sample, temperature=temperature, top_k=top_k,
-            top_p=top_p, generator=generator, **settings,
-        )  # fmt: skip
+            self.config,
+            settings.pop("generation_config", None),
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            generator=generator,
+            **settings,
+        )
         device = input_ids.device
         caches = self.new_caches(B, T + max_new_tokens, kind=cache)
-        mask = torch.ones(
-            B, T + max_new_tokens, dtype=torch.bool, device=device
-        )
+        mask = input_ids.new_ones(B, T + max_new_tokens, dtype=torch.bool)
         if attention_mask is not None:
             mask[:, :T] = attention_mask.to(torch.bool)
         positions = (mask[:, :T].cumsum(dim=1) - 1).clamp(min=0)  # (B, T)
@@ -294,8 +294,8 @@ class CausalLM(nn.Module):
             start = cached_so_far(caches[0])
             attn, weight = self.model.layers[0].self_attn, self.lm_head.weight
             for cache in caches:  # none half-written
-                cache.check_update(B, attn.num_kv_heads, T, attn.head_dim,
-                                   weight.dtype, weight.device)  # fmt: skip
+                shape = (B, attn.num_kv_heads, T, attn.head_dim)
+                cache.check_update(*shape, weight.dtype, weight.device)
         if attention_mask is not None:
             _check_attention_mask(attention_mask, B, T, start, caches)
         return start

@@ -88,9 +88,17 @@ def online_softmax_steps(
     tiles = list(flash.key_blocks(rows, t_q, t_k, block_k, causal))
     empty = np.zeros(0)
     steps = [
-        Step("start", "start", (0, 0), empty, -math.inf, 0.0, 0.0,
-             np.zeros(v.shape[-1]))
-    ]  # fmt: skip
+        Step(
+            "start",
+            "start",
+            (0, 0),
+            empty,
+            -math.inf,
+            0.0,
+            0.0,
+            np.zeros(v.shape[-1]),
+        )
+    ]
     for number, cols in enumerate(tiles):
         # mha.flash's own loop, over the first number + 1 tiles
         m, ell, acc = flash.online_softmax(
@@ -103,23 +111,48 @@ def online_softmax_steps(
         m_old = steps[-1].m
         alpha = 0.0 if math.isinf(m_old) else math.exp(m_old - m[row])
         steps.append(
-            Step(f"tile {number}", "tile", (cols.start, cols.stop), scores,
-                 float(m[row]), float(ell[row]), alpha, acc[row])
-        )  # fmt: skip
+            Step(
+                f"tile {number}",
+                "tile",
+                (cols.start, cols.stop),
+                scores,
+                float(m[row]),
+                float(ell[row]),
+                alpha,
+                acc[row],
+            )
+        )
     last = steps[-1]
     stop = tiles[-1].stop if tiles else 0
     if stop < t_k:
         steps.append(
-            Step("skipped", "skipped", (stop, t_k), empty, last.m, last.ell,
-                 1.0, last.acc)
-        )  # fmt: skip
+            Step(
+                "skipped",
+                "skipped",
+                (stop, t_k),
+                empty,
+                last.m,
+                last.ell,
+                1.0,
+                last.acc,
+            )
+        )
     out, _ = flash.finish(
         np.array([last.m]), np.array([last.ell]), last.acc[None]
     )
     steps.append(
-        Step("result", "finish", (0, 0), empty, last.m, last.ell, 1.0,
-             last.acc, out[0])
-    )  # fmt: skip
+        Step(
+            "result",
+            "finish",
+            (0, 0),
+            empty,
+            last.m,
+            last.ell,
+            1.0,
+            last.acc,
+            out[0],
+        )
+    )
     return steps
 
 
@@ -175,8 +208,9 @@ def step_through(
         raise ValueError(f"units must be 'natural' or 'exp2', got {units!r}")
     view = _View(steps, units)
     # named by what it shows, to the digits shown, so the same on every CPU
-    shown = [(s.title, view.m(s), _number(s.ell), _vector(s.acc))
-             for s in steps]  # fmt: skip
+    shown = [
+        (s.title, view.m(s), _number(s.ell), _vector(s.acc)) for s in steps
+    ]
     shown.append(units)
     uid = "mha-os-" + hashlib.sha1(repr(shown).encode()).hexdigest()[:10]
     inputs, labels, frames = [], [], []
@@ -263,8 +297,11 @@ def _keys(steps: list[Step], number: int, t_k: int, block_k: int) -> str:
     tiles = [s for s in steps[: number + 1] if s.kind == "tile"]
     done = max((s.keys[1] for s in tiles), default=0)
     # a masked key is never seen: it stays masked in every later frame
-    masked = {s.keys[0] + int(i) for s in tiles
-              for i in np.flatnonzero(np.isneginf(s.scores))}  # fmt: skip
+    masked = {
+        s.keys[0] + int(i)
+        for s in tiles
+        for i in np.flatnonzero(np.isneginf(s.scores))
+    }
     skipped = next((s.keys for s in steps if s.kind == "skipped"), (t_k, t_k))
     cells = []
     for j in range(t_k):

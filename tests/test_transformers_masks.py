@@ -98,7 +98,7 @@ def test_left_padding_is_served(name) -> None:
 
 
 def test_flash_attentions_varlen_arguments_are_refused_by_name() -> None:
-    from mha.backends import _transformers_attention
+    from mha.transformers_backends import _transformers_attention
 
     attention = _transformers_attention("tiled")
     module = torch.nn.Module()
@@ -110,7 +110,7 @@ def test_flash_attentions_varlen_arguments_are_refused_by_name() -> None:
 
 def test_output_attentions_warns_that_no_weights_are_computed() -> None:
     # transformers' own sdpa warns; our backends say so too, rather than return None silently.
-    from mha.backends import _transformers_attention
+    from mha.transformers_backends import _transformers_attention
 
     q = torch.zeros(1, 2, 4, 16)
     with pytest.warns(UserWarning, match="computes no attention weights"):

@@ -113,11 +113,17 @@ def _numpy(loop: bool) -> Callable:
 
 
 for _name, _loop, _summary in (
-    ("numpy_loop", True, ":func:`mha.reference.multi_head_attention_loop`, "
-     "head by head (CPU)"),
-    ("numpy_fused", False, ":func:`mha.reference.multi_head_attention`, all "
-     "heads at once (CPU)"),
-):  # fmt: skip
+    (
+        "numpy_loop",
+        True,
+        ":func:`mha.reference.multi_head_attention_loop`, head by head (CPU)",
+    ),
+    (
+        "numpy_fused",
+        False,
+        ":func:`mha.reference.multi_head_attention`, all heads at once (CPU)",
+    ),
+):
     register(
         IMPLEMENTATIONS,
         _name,
@@ -178,9 +184,13 @@ def _torch_layer(train: bool) -> Callable:
 
 for _name, _train, _how in (
     ("torch_mha", False, "(its fast path: eval mode, no autograd)"),
-    ("torch_mha_general", True, "on its general path (train mode, dropout "
-     "0): ``F.multi_head_attention_forward``"),
-):  # fmt: skip
+    (
+        "torch_mha_general",
+        True,
+        "on its general path (train mode, dropout "
+        "0): ``F.multi_head_attention_forward``",
+    ),
+):
     register(
         IMPLEMENTATIONS,
         _name,

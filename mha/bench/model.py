@@ -153,8 +153,9 @@ def run_model_benchmark(
     results = []
     for prompt in prompts:
         generator = torch.Generator().manual_seed(prompt)
-        ids = torch.randint(0, config.vocab_size, (batch, prompt),
-                            generator=generator).to(torch_device)  # fmt: skip
+        ids = torch.randint(
+            0, config.vocab_size, (batch, prompt), generator=generator
+        ).to(torch_device)
         cases = {
             impl: Case(
                 {
@@ -162,14 +163,14 @@ def run_model_benchmark(
                     "batch": batch,
                     "prompt": prompt,
                     "new_tokens": new_tokens,
-                },  # fmt: skip
+                },
                 lambda impl=impl, ids=ids: build_runner(
                     MODEL_IMPLEMENTATIONS,
                     impl,
                     theirs.lm_head.weight,
                     theirs,
                     ids,
-                ),  # fmt: skip
+                ),
             )
             for impl in impls
         }
@@ -183,10 +184,16 @@ def run_model_benchmark(
     env["load_average_1min_end"] = load_average()
     report = {
         "environment": env,
-        "config": {"mode": "model", "model": MODEL_CONFIG, "batch": batch,
-                   "prompts": list(prompts), "new_tokens": new_tokens,
-                   "impls": impls, **timing.record(torch_device)},
-    }  # fmt: skip
+        "config": {
+            "mode": "model",
+            "model": MODEL_CONFIG,
+            "batch": batch,
+            "prompts": list(prompts),
+            "new_tokens": new_tokens,
+            "impls": impls,
+            **timing.record(torch_device),
+        },
+    }
     report["results"] = results
     report["ratios"] = [
         {
@@ -199,7 +206,7 @@ def run_model_benchmark(
                 for impl in impls
                 if impl != "transformers"
             },
-        }  # fmt: skip
+        }
         for prompt in prompts
     ]
     return report

@@ -213,9 +213,17 @@ def triton_attention(
     from .attention import triton_attention as run
 
     return run(
-        q, k, v, causal=causal, scale=scale, block_q=block_q, block_k=block_k,
-        key_start=key_start, sinks=sinks, window=window,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        causal=causal,
+        scale=scale,
+        block_q=block_q,
+        block_k=block_k,
+        key_start=key_start,
+        sinks=sinks,
+        window=window,
+    )
 
 
 def triton_split_kv_attention(
@@ -248,9 +256,15 @@ def triton_split_kv_attention(
     from .attention import split_kv_forward
 
     out, _ = split_kv_forward(
-        q, k, v, causal=causal, scale=scale, num_splits=num_splits,
-        key_start=key_start, window=window,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        causal=causal,
+        scale=scale,
+        num_splits=num_splits,
+        key_start=key_start,
+        window=window,
+    )
     return out
 
 
@@ -292,9 +306,16 @@ def triton_paged_attention(
     from .paged import triton_paged_attention as run
 
     return run(
-        q, k_pool, v_pool, block_table, seq_lens, scale=scale,
-        key_start=key_start, window=window, max_seq_len=max_seq_len,
-    )  # fmt: skip
+        q,
+        k_pool,
+        v_pool,
+        block_table,
+        seq_lens,
+        scale=scale,
+        key_start=key_start,
+        window=window,
+        max_seq_len=max_seq_len,
+    )
 
 
 def paged_attention_torch(
@@ -314,9 +335,15 @@ def paged_attention_torch(
     from .paged_torch import paged_attention_torch as run
 
     return run(
-        q, k_pool, v_pool, block_table, seq_lens, scale=scale,
-        key_start=key_start, window=window,
-    )  # fmt: skip
+        q,
+        k_pool,
+        v_pool,
+        block_table,
+        seq_lens,
+        scale=scale,
+        key_start=key_start,
+        window=window,
+    )
 
 
 def compile_report(fn, *example_args, archs=("sm_80", "sm_90")) -> list:

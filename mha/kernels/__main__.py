@@ -39,7 +39,7 @@ CHOICES = {
         "backward_dq",
         "split_kv",
         "paged",
-    ),  # fmt: skip
+    ),
     "mask": ("causal", "full"),
 }
 
@@ -221,10 +221,15 @@ def main(argv: list[str] | None = None) -> int:
         args.cubin_dir.mkdir(parents=True, exist_ok=True)
     start, rows = time.perf_counter(), []
     for row in inspect_builds(
-        args.arch, args.dtype, args.head_dim, args.kernel, args.cubin_dir,
+        args.arch,
+        args.dtype,
+        args.head_dim,
+        args.kernel,
+        args.cubin_dir,
         causal=tuple(mask == "causal" for mask in args.mask),
-        key_start=args.key_start, window=args.window,
-    ):  # fmt: skip
+        key_start=args.key_start,
+        window=args.window,
+    ):
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.output is not None:

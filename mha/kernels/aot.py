@@ -136,13 +136,21 @@ def example_launches(
         )
         return [
             kernels.split_kv_launch(
-                q, k, v, partial, partial[..., 0], tiles=tiles,
-                keys_per_split=keys, **common,
+                q,
+                k,
+                v,
+                partial,
+                partial[..., 0],
+                tiles=tiles,
+                keys_per_split=keys,
+                **common,
             )
-        ]  # fmt: skip
+        ]
     names = ("backward_dk_dv", "backward_dq")
-    both = {name: kernels.default_tiles(name, head_dim, dtype, major)
-            for name in names}  # fmt: skip
+    both = {
+        name: kernels.default_tiles(name, head_dim, dtype, major)
+        for name in names
+    }
     launches = kernels.backward_launches(
         q, k, v, q, lse, lse, q, k, v, tiles=both, **common
     )
@@ -185,11 +193,19 @@ def _paged_launch(
         (batch, kv_heads, splits, rows, head_dim), device="meta"
     )
     return paged_launch(
-        q, pool, pool, table, lens, partial, partial[..., 0],
-        scale=head_dim**-0.5, tiles=tiles, keys_per_split=keys,
+        q,
+        pool,
+        pool,
+        table,
+        lens,
+        partial,
+        partial[..., 0],
+        scale=head_dim**-0.5,
+        tiles=tiles,
+        keys_per_split=keys,
         key_start=starts if key_start else None,
         window=EXAMPLE_WINDOW if window else None,
-    )  # fmt: skip
+    )
 
 
 def compile_launch(launch, capability: int):
@@ -263,9 +279,16 @@ def read_build(compiled, arch: str) -> dict:
         ptxas = "ptxas_blackwell" if arch == "sm_90" else "ptxas"
         fmad = [] if compiled.metadata.enable_fp_fusion else ["--fmad=false"]
         log = _tool(
-            ptxas, "-lineinfo", *fmad, "-v", "--regAllocOptLevel=2",
-            f"--gpu-name={gpu}", str(ptx), "-o", str(Path(folder) / "x"),
-        )  # fmt: skip
+            ptxas,
+            "-lineinfo",
+            *fmad,
+            "-v",
+            "--regAllocOptLevel=2",
+            f"--gpu-name={gpu}",
+            str(ptx),
+            "-o",
+            str(Path(folder) / "x"),
+        )
         code = _tool("cuobjdump", "-sass", str(cubin))
     registers = _number(r"REG:(\d+)", usage)
     stack = _number(r"STACK:(\d+)", usage)
@@ -320,9 +343,15 @@ def inspect_builds(
                     for masked in masks:
                         for padded in starts:
                             yield _inspect_one(
-                                name, arch, dtype, head_dim, masked, padded,
-                                window, cubin_dir,
-                            )  # fmt: skip
+                                name,
+                                arch,
+                                dtype,
+                                head_dim,
+                                masked,
+                                padded,
+                                window,
+                                cubin_dir,
+                            )
 
 
 def _inspect_one(

@@ -70,9 +70,15 @@ def paged_attention_torch(
         (B, H, T_q, d) in q's dtype; zeros for a query that sees no key.
     """
     scale = check_paged_inputs(
-        q, k_pool, v_pool, block_table, seq_lens, scale,
-        key_start=key_start, window=window,
-    )  # fmt: skip
+        q,
+        k_pool,
+        v_pool,
+        block_table,
+        seq_lens,
+        scale,
+        key_start=key_start,
+        window=window,
+    )
     (_, heads, t_q, _), (block_size, kv_heads) = q.shape, k_pool.shape[1:3]
     length = int(seq_lens.max())
     positions = torch.arange(length, device=q.device)  # (L,)
@@ -109,9 +115,17 @@ def paged_attention_torch(
 
 
 def check_paged_inputs(
-    q, k_pool, v_pool, block_table, seq_lens, scale, *, key_start=None,
-    window=None, read_values=True,
-):  # fmt: skip
+    q,
+    k_pool,
+    v_pool,
+    block_table,
+    seq_lens,
+    scale,
+    *,
+    key_start=None,
+    window=None,
+    read_values=True,
+):
     """The paged kernels' requirements, each with a clear error; the scale.
 
     Reads ``seq_lens``, ``key_start`` and the used entries of
@@ -142,13 +156,19 @@ def check_paged_inputs(
             f"{tuple(k_pool.shape)}"
         )
     table_shape = "(B, max_blocks)"
-    check_tensor("block_table", block_table, kind="integer", ndim=2,
-                 shape=table_shape)  # fmt: skip
+    check_tensor(
+        "block_table", block_table, kind="integer", ndim=2, shape=table_shape
+    )
     check_tensor("seq_lens", seq_lens, kind="integer", ndim=1, shape="(B,)")
     given = [("block_table", block_table), ("seq_lens", seq_lens)]
     if key_start is not None:
-        check_tensor("key_start", key_start, kind="integer", ndim=1,
-                     shape=f"(B,) = ({batch},)")  # fmt: skip
+        check_tensor(
+            "key_start",
+            key_start,
+            kind="integer",
+            ndim=1,
+            shape=f"(B,) = ({batch},)",
+        )
         given.append(("key_start", key_start))
     if window is not None:
         check_int("window", window)

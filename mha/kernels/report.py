@@ -221,10 +221,12 @@ def format_report(rows: list[dict]) -> str:
             for sentence in said:
                 notes.append(
                     textwrap.fill(
-                        sentence, 79, initial_indent="  - ",
+                        sentence,
+                        79,
+                        initial_indent="  - ",
                         subsequent_indent="    ",
                     )
-                )  # fmt: skip
+                )
     return "\n".join(lines + notes)
 
 
@@ -502,9 +504,15 @@ def _book_row(book: dict, arch: str) -> dict:
         "forward", q.shape[-1], q.dtype, (capability // 10, capability % 10)
     )
     launch = forward_launch(
-        q, k, v, torch.empty_like(q), lse, causal=book["causal"],
-        scale=q.shape[-1] ** -0.5, tiles=tiles,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        torch.empty_like(q),
+        lse,
+        causal=book["causal"],
+        scale=q.shape[-1] ** -0.5,
+        tiles=tiles,
+    )
     constants = dict(launch.constants)
     row = {
         "kernel": "forward (book)",

@@ -197,8 +197,13 @@ def pairs_per_rank(
     for rank in range(world_size):
         runs = chunk_ranges(seq_len, world_size, rank, layout)
         if causal:
-            pairs = sum(r.stop * (r.stop + 1) - r.start * (r.start + 1)
-                        for r in runs) // 2  # fmt: skip
+            pairs = (
+                sum(
+                    r.stop * (r.stop + 1) - r.start * (r.start + 1)
+                    for r in runs
+                )
+                // 2
+            )
         else:
             pairs = sum(len(r) for r in runs) * seq_len
         work.append(pairs)
@@ -406,8 +411,9 @@ class RingAttention(torch.autograd.Function):
                 arriving = _buffers(kv, ring.length(source - 1))
                 sending = _pass(ring, kv, arriving, 0, stats, "forward_bytes")
             keys, values = _grouped(kv, acc)
-            for rows, cols, scores in _blocks(queries, keys, ring, source,
-                                              stats):  # fmt: skip
+            for rows, cols, scores in _blocks(
+                queries, keys, ring, source, stats
+            ):
                 part_lse = torch.logsumexp(scores, dim=-1)  # (..., G, T_q)
                 weights = torch.exp(scores - _finite(part_lse)[..., None])
                 part = weights @ values[..., cols, :]  # (..., G, T_q, d_v)
@@ -437,14 +443,16 @@ class RingAttention(torch.autograd.Function):
             if not last:
                 arriving = _buffers(kv, ring.length(source - 1))
                 sending = _pass(ring, kv, arriving, 0, stats, "backward_bytes")
-            dk, dv = _gradients(queries, kv, d_out, lse, delta, ring, source,
-                                dq)  # fmt: skip
+            dk, dv = _gradients(
+                queries, kv, d_out, lse, delta, ring, source, dq
+            )
             if grads_sent is not None:  # add the earlier processes' shares
                 _wait(grads_sent)
                 dk, dv = dk + grads_in[0], dv + grads_in[1]
             grads_in = _buffers((dk, dv), ring.length(source - 1))
-            grads_sent = _pass(ring, (dk, dv), grads_in, 2, stats,
-                               "backward_bytes")  # fmt: skip
+            grads_sent = _pass(
+                ring, (dk, dv), grads_in, 2, stats, "backward_bytes"
+            )
             if not last:
                 _wait(sending)
                 kv = arriving
@@ -542,10 +550,12 @@ def _pass(ring: _Ring, tensors, into, tag: int, stats, field: str) -> list:
     ops = []
     for i, (tensor, buffer) in enumerate(zip(tensors, into)):
         tensor = tensor.contiguous()
-        ops.append(dist.P2POp(dist.isend, tensor, ring.next, ring.group,
-                              tag + i))  # fmt: skip
-        ops.append(dist.P2POp(dist.irecv, buffer, ring.prev, ring.group,
-                              tag + i))  # fmt: skip
+        ops.append(
+            dist.P2POp(dist.isend, tensor, ring.next, ring.group, tag + i)
+        )
+        ops.append(
+            dist.P2POp(dist.irecv, buffer, ring.prev, ring.group, tag + i)
+        )
         if stats is not None:
             sent = tensor.numel() * tensor.element_size()
             setattr(stats, field, getattr(stats, field) + sent)
@@ -729,8 +739,10 @@ def torch_context_parallel(
                 *local, is_causal=True
             )
         else:
-            parts = [DTensor.from_local(t, mesh, [Shard(2)], run_check=False)
-                     for t in local]  # fmt: skip
+            parts = [
+                DTensor.from_local(t, mesh, [Shard(2)], run_check=False)
+                for t in local
+            ]
             flash = torch.ops.aten._scaled_dot_product_flash_attention
             out = flash(*parts, 0.0, True)[0].to_local()
         if grad_out is None:
@@ -759,9 +771,15 @@ def _flash_kernel_on_cpu(device: torch.device):
 
 
 def _cpu_flash(
-    query, key, value, dropout_p=0.0, is_causal=False,
-    return_debug_mask=False, *, scale=None,
-):  # fmt: skip
+    query,
+    key,
+    value,
+    dropout_p=0.0,
+    is_causal=False,
+    return_debug_mask=False,
+    *,
+    scale=None,
+):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, scale=scale
     )
@@ -772,11 +790,31 @@ def _cpu_flash(
 
 
 def _cpu_flash_backward(
-    grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
-    max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *,
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    philox_seed,
+    philox_offset,
+    *,
     scale=None,
-):  # fmt: skip
+):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        logsumexp,
+        dropout_p,
+        is_causal,
         scale=scale,
-    )  # fmt: skip
+    )

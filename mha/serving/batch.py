@@ -58,8 +58,9 @@ class StepPlan:
             new = range(seq.num_computed, seq.num_computed + count)
             ids += seq.tokens[new.start : new.stop]
             positions += new
-            slots += [(seq.block_table[p // block_size], p % block_size)
-                      for p in new]  # fmt: skip
+            slots += [
+                (seq.block_table[p // block_size], p % block_size) for p in new
+            ]
             last.append(len(ids) - 1)
             if not _decoding(seq):  # a chunk: its own group
                 groups.append((len(ids) - count, len(ids), [seq], [new.stop]))
@@ -68,12 +69,22 @@ class StepPlan:
             groups.insert(0, (0, decodes, seqs, [len(s) for s in seqs]))
         tensor = partial(torch.tensor, device=device)
         return cls(
-            tensor([ids]), tensor([positions]), tensor(last), decodes,
+            tensor([ids]),
+            tensor([positions]),
+            tensor(last),
+            decodes,
             *tensor(slots).T,  # blocks (N,), offsets (N,)
-            [(first, end, _table(seqs, tensor),
-              tensor(lens, dtype=torch.int32))
-             for first, end, seqs, lens in groups], block_size,
-        )  # fmt: skip
+            [
+                (
+                    first,
+                    end,
+                    _table(seqs, tensor),
+                    tensor(lens, dtype=torch.int32),
+                )
+                for first, end, seqs, lens in groups
+            ],
+            block_size,
+        )
 
     def gather(self, group: int):
         """Where group ``group``'s keys lie, for attention over gathered
@@ -103,5 +114,7 @@ def _decoding(seq) -> bool:
 def _table(seqs: list, tensor) -> Tensor:
     """The block tables of ``seqs``, padded: (B, max_blocks) int32."""
     width = max(len(s.block_table) for s in seqs)
-    return tensor([s.block_table + [0] * (width - len(s.block_table))
-                   for s in seqs], dtype=torch.int32)  # fmt: skip
+    return tensor(
+        [s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+        dtype=torch.int32,
+    )

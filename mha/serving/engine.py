@@ -66,9 +66,15 @@ class Engine:
     keys (:mod:`.layer`).
     """
 
-    def __init__(self, model: CausalLM, *, num_blocks: int,
-                 block_size: int = 16, max_num_batched_tokens: int = 256,
-                 prefix_caching: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 256,
+        prefix_caching: bool = True,
+    ) -> None:
         if not isinstance(model, CausalLM):
             raise TypeError(
                 f"model must be an mha.CausalLM, got {type(model).__name__}"
@@ -83,11 +89,16 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, max_num_batched_tokens)
         attn, weight = model.model.layers[0].self_attn, model.lm_head.weight
         self.layers = [
-            PagedLayer(num_blocks, block_size, attn.num_kv_heads,
-                       attn.head_dim, dtype=weight.dtype,
-                       device=weight.device)
+            PagedLayer(
+                num_blocks,
+                block_size,
+                attn.num_kv_heads,
+                attn.head_dim,
+                dtype=weight.dtype,
+                device=weight.device,
+            )
             for _ in model.model.layers
-        ]  # fmt: skip
+        ]
         self.stats = EngineStats()
         self.requests: dict[int, Sequence] = {}
         self.last_batch: list[tuple[int, int]] = []  # (id, tokens)
@@ -130,9 +141,12 @@ class Engine:
         training = self.model.training
         self.model.eval()  # no dropout while serving; then as it was
         try:
-            logits = self.model(plan.ids, position_ids=plan.positions,
-                                caches=self.layers,
-                                logits_to_keep=plan.last)  # fmt: skip
+            logits = self.model(
+                plan.ids,
+                position_ids=plan.positions,
+                caches=self.layers,
+                logits_to_keep=plan.last,
+            )
         finally:
             self.model.train(training)
         new = self._sample(batch, logits[0].float())  # (requests, V)
@@ -141,8 +155,11 @@ class Engine:
         outputs = []
         for seq, _ in batch:
             finished = seq.status is Status.FINISHED
-            outputs.append(StepOutput(seq.id, new.get(seq.id, []), finished,
-                                      list(seq.generated)))  # fmt: skip
+            outputs.append(
+                StepOutput(
+                    seq.id, new.get(seq.id, []), finished, list(seq.generated)
+                )
+            )
             if finished:
                 self.requests.pop(seq.id, None)
         return outputs

@@ -30,15 +30,25 @@ class PagedLayer:
     max_len = None  # positions live in the pool, not in a fixed row
     seen = 0  # each token's position comes with the step (position_ids)
 
-    def __init__(self, num_blocks, block_size, num_kv_heads, head_dim,
-                 *, dtype, device) -> None:  # fmt: skip
+    def __init__(
+        self, num_blocks, block_size, num_kv_heads, head_dim, *, dtype, device
+    ) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_pool = torch.zeros(shape, dtype=dtype, device=device)
         self.v_pool = torch.zeros(shape, dtype=dtype, device=device)
         self.plan: StepPlan | None = None
 
-    def check_update(self, batch, num_kv_heads, new_tokens, head_dim,
-                     dtype, device, *, v=None) -> None:  # fmt: skip
+    def check_update(
+        self,
+        batch,
+        num_kv_heads,
+        new_tokens,
+        head_dim,
+        dtype,
+        device,
+        *,
+        v=None,
+    ) -> None:
         """Raise unless the new keys fit the pool: (1, H_kv, N, d_k)."""
         pool = self.k_pool
         if (batch, num_kv_heads, head_dim) != (1, *pool.shape[2:]) or (
@@ -51,9 +61,13 @@ class PagedLayer:
             )
 
     def serve(
-        self, backend: Backend, q: Tensor, k: Tensor, v: Tensor,
+        self,
+        backend: Backend,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         masking: Masking,
-    ) -> Tensor:  # fmt: skip
+    ) -> Tensor:
         """q (1, H, N, d_k), new k, v (1, H_kv, N, d_k) -> (1, H, N, d_k),
         by ``backend``'s paged kernel, or its attention over gathered keys;
         causal, with ``masking``'s window."""
@@ -76,9 +90,14 @@ class PagedLayer:
                 out = attend(backend.name, rows, k_rows, v_rows, masked)
             else:  # a kernel that reads the blocks where they lie
                 out = kernel(
-                    rows.contiguous(), self.k_pool, self.v_pool, table,
-                    lens, key_start=None, window=window,
-                )  # fmt: skip
+                    rows.contiguous(),
+                    self.k_pool,
+                    self.v_pool,
+                    table,
+                    lens,
+                    key_start=None,
+                    window=window,
+                )
             if len(lens) > 1:
                 out = out[:, :, 0].transpose(0, 1)[None]  # (1, H, B, d_k)
             parts.append(out)
