@@ -25,6 +25,7 @@ __all__ = [
     "plot_merge_heads",
     "plot_benchmark",
     "plot_parallel_split",
+    "plot_ring_steps",
 ]
 
 
@@ -1003,4 +1004,88 @@ def plot_parallel_split(
     ax_o.set_xlabel("output feature")
     ax_o.set_ylabel("input feature (head by head)", labelpad=34)
     fig.tight_layout()
+    return fig
+
+
+def plot_ring_steps(held: ArrayLike) -> Figure:
+    """Draw a ring of P processes at each step of ring attention.
+
+    ``held[s][r]``: the process whose keys and values process r has in hand
+    at step s, an (S, P) array of ints in 0 .. P - 1. One panel per step:
+    the processes on a circle, each with its own queries (``Q_r``, in its
+    colour) beside the key/value part in hand (``KV_j``, in process j's
+    colour); arrows from each process to the next where a step passes its
+    part on (every step but the last).
+    """
+    held = np.asarray(held)
+    if (
+        held.ndim != 2
+        or held.size == 0
+        or not np.issubdtype(held.dtype, np.integer)
+        or held.min() < 0
+        or held.max() >= held.shape[1]
+    ):
+        raise ValueError(
+            "held must be an (S, P) array of ints in 0 .. P - 1 (the owner "
+            "of the part each process holds at each step), got shape "
+            f"{held.shape} and dtype {held.dtype}"
+        )
+    steps, world = held.shape
+    cols = min(steps, 4)
+    rows = -(-steps // cols)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(MAX_WIDTH, 1.8 * rows), squeeze=False
+    )
+    colour = plt.get_cmap("tab10")
+    angles = np.pi / 2 - 2 * np.pi * np.arange(world) / world  # clockwise
+    centres = 0.95 * np.stack([np.cos(angles), np.sin(angles)], axis=1)
+    width, height = 0.46, 0.34  # one half of a process's box
+    for step, ax in enumerate(axes.flat):
+        ax.set_axis_off()
+        if step >= steps:
+            continue
+        ax.set_aspect("equal")
+        ax.set_xlim(-1.5, 1.5)
+        ax.set_ylim(-1.2, 1.2)
+        for rank, (x, y) in enumerate(centres):
+            owner = int(held[step, rank])
+            for dx, who, text in (
+                (-width, rank, f"Q$_{rank}$"),
+                (0.0, owner, f"KV$_{owner}$"),
+            ):
+                ax.add_patch(
+                    plt.Rectangle(
+                        (x + dx, y - height / 2),
+                        width,
+                        height,
+                        facecolor=colour(who),
+                        edgecolor="white",
+                    )
+                )
+                ax.text(
+                    x + dx + width / 2,
+                    y,
+                    text,
+                    ha="center",
+                    va="center",
+                    color="white",
+                    fontsize=7,
+                )
+        if step < steps - 1:  # the part in hand goes on to the next
+            for rank in range(world):
+                ax.annotate(
+                    "",
+                    xy=centres[(rank + 1) % world],
+                    xytext=centres[rank],
+                    arrowprops={
+                        "arrowstyle": "-|>",
+                        "color": "0.45",
+                        "lw": 1.0,
+                        "shrinkA": 15,
+                        "shrinkB": 15,
+                        "connectionstyle": "arc3,rad=-0.3",
+                    },
+                )
+        ax.set_title(f"step {step}", fontsize=9, pad=2)
+    fig.tight_layout(w_pad=0.2)
     return fig
