@@ -38,6 +38,7 @@ from torch import Tensor
 
 from ._validate import check_int
 from .blocks import BlockAllocator
+from .kernels.paged_torch import page_index
 
 __all__ = [
     "Cache",
@@ -347,9 +348,11 @@ class PagedKVCache:
         """
         self.write(k, v)
         end = self.max_len if torch.compiler.is_compiling() else len(self)
-        used = self.block_table[:, : -(-end // self.block_size)]
-        return self._gather(self.key_blocks, used, end), self._gather(
-            self.value_blocks, used, end
+        index = page_index(self.block_table, self.block_size, end)[:2]
+        # (B, T_k, H_kv, d_k) -> (B, H_kv, T_k, d_k)
+        return tuple(
+            pool[index].transpose(1, 2)
+            for pool in (self.key_blocks, self.value_blocks)
         )
 
     def write(self, k: Tensor, v: Tensor) -> None:
@@ -381,12 +384,6 @@ class PagedKVCache:
             (self.batch,), len(self), dtype=torch.int32, device=self.device
         )
         return self.key_blocks, self.value_blocks, self.block_table, lens
-
-    def _gather(self, pool: Tensor, table: Tensor, end: int) -> Tensor:
-        """Each row's blocks, in order: (B, H_kv, end, d_k)."""
-        rows = pool[table]  # (B, n, block_size, H_kv, d_k)
-        rows = rows.flatten(1, 2).transpose(1, 2)  # (B, H_kv, n bs, d_k)
-        return rows[:, :, :end]
 
     def reserve(self, new_tokens: int) -> None:
         """Take from the pool the blocks that the next ``new_tokens``

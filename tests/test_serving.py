@@ -285,9 +285,10 @@ def test_a_decode_step_copies_nothing_out_of_the_pool() -> None:
 
 def test_the_models_paged_cache_copies_nothing_on_the_triton_backend() -> None:
     # model.generate's PagedKVCache (chapter 12): a left-padded batch of two rows (3 pads in row
-    # 0), 20 positions, then one decode step. On sdpa the cache gathers every row's blocks: two
-    # blocks of 16 per row, k and v, 2 layers, H_kv = 2, d_k = 8, float32. On triton the paged
-    # kernel reads them in place (and hides row 0's pads through key_start): nothing is copied,
+    # 0), 20 positions, then one decode step. On sdpa the cache gathers the 21 positions every row
+    # holds (not its whole blocks of 16), k and v, 2 layers, H_kv = 2, d_k = 8, float32. On
+    # triton the paged kernel reads them in place (and hides row 0's pads through key_start):
+    # nothing is copied,
     # and the step's logits are the gathered path's.
     model = tiny_model(eos=None, dtype=torch.float32, device=KERNEL_DEVICE)
     ids = torch.tensor([list(range(3, 23)), list(range(30, 50))], device=KERNEL_DEVICE)
@@ -306,7 +307,7 @@ def test_the_models_paged_cache_copies_nothing_on_the_triton_backend() -> None:
                 logits[backend] = model(new, mask, positions[:, 20:], caches)
         copied[backend] = counter.bytes
     model.set_attention_backend("sdpa")
-    assert copied["sdpa"] == 2 * 2 * (2 * 2 * 32 * 8 * 4)
+    assert copied["sdpa"] == 2 * 2 * (2 * 2 * 21 * 8 * 4)
     assert copied["triton"] == 0
     torch.testing.assert_close(logits["triton"], logits["sdpa"], rtol=1e-5, atol=1e-5)
 

@@ -24,6 +24,9 @@ takes a masked softmax: plain torch, importable without
 Triton, the reference that :func:`mha.kernels.triton_paged_attention`
 (which reads the blocks where they are) is tested against.
 :func:`check_paged_inputs` is the one check of the arguments for both.
+:func:`page_index` says where each row's positions lie in a pool: the one
+gather out of a pool, for this function, :class:`mha.PagedKVCache` and the
+serving engine.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from torch import Tensor
 
 from .._validate import check_int, check_same, check_scale, check_tensor
 
-__all__ = ["paged_attention_torch", "check_paged_inputs"]
+__all__ = ["paged_attention_torch", "check_paged_inputs", "page_index"]
 
 
 def paged_attention_torch(
@@ -82,10 +85,9 @@ def paged_attention_torch(
     (_, heads, t_q, _), (block_size, kv_heads) = q.shape, k_pool.shape[1:3]
     length = int(seq_lens.max())
     positions = torch.arange(length, device=q.device)  # (L,)
-    blocks = block_table[:, positions // block_size].long()  # (B, L)
-    slots = (positions % block_size)[None, :]  # (1, L)
-    real = (positions < seq_lens.long()[:, None])[:, None, :, None]
-    # (B, 1, L, 1): slots past a length may hold anything (NaN): zeros
+    blocks, slots, real = page_index(block_table, block_size, length, seq_lens)
+    real = real[:, None, :, None]  # (B, 1, L, 1)
+    # slots past a length may hold anything (NaN): zeros
     k = k_pool[blocks, slots].permute(0, 2, 1, 3).where(real, 0.0)
     v = v_pool[blocks, slots].permute(0, 2, 1, 3).where(real, 0.0)
     # (B, H_kv, L, d)
@@ -112,6 +114,38 @@ def paged_attention_torch(
     total = weights.sum(dim=-1, keepdim=True)
     out = (weights / total.masked_fill(total == 0, 1.0)) @ v.to(acc)
     return out.to(q.dtype)
+
+
+def page_index(
+    block_table: Tensor,
+    block_size: int,
+    longest: int,
+    lengths: Tensor | None = None,
+    *,
+    right_aligned: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Where ``longest`` positions of each row lie in a pool: ``blocks``
+    and ``slots`` (B, L), so that ``pool[blocks, slots]`` is (B, L, H_kv,
+    d), and ``real`` (B, L), True at a position the row holds.
+
+    Positions 0 .. L - 1 of every row; ``lengths`` (B,): row b holds
+    ``lengths[b]`` of them (None: all L). ``right_aligned``: each row's
+    last ``lengths[b]`` positions end at index L - 1, shorter rows padded
+    on the left (their newest key last, as a backend takes a left-padded
+    batch). The index is made once and serves every layer's pools.
+    """
+    at = torch.arange(longest, device=block_table.device)[None, :]  # (1, L)
+    at = at.expand(block_table.shape[0], longest)  # (B, L)
+    if lengths is None:
+        real = torch.ones_like(at, dtype=torch.bool)
+    elif right_aligned:  # the first longest - lengths[b] slots: pads
+        at = at - (longest - lengths.long()[:, None])
+        real = at >= 0
+    else:
+        real = at < lengths.long()[:, None]
+    at = at.clamp(0, block_table.shape[1] * block_size - 1)
+    blocks = block_table.gather(1, at // block_size).long()  # (B, L)
+    return blocks, at % block_size, real
 
 
 def check_paged_inputs(

@@ -19,6 +19,8 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from ..kernels.paged_torch import page_index
+
 __all__ = ["StepPlan"]
 
 
@@ -96,13 +98,13 @@ class StepPlan:
         shared by every layer."""
         if group not in self._gathers:
             first, end, table, lens = self.groups[group]
-            longest = int(lens.max())
-            keys = torch.arange(longest, device=lens.device)  # (L,)
-            at = keys - (longest - lens[:, None])  # (B, L): each position
-            padding = at >= 0
-            at = at.clamp(min=0)
-            blocks = table.gather(1, at // self.block_size).long()  # (B, L)
-            self._gathers[group] = (blocks, at % self.block_size, padding)
+            self._gathers[group] = page_index(
+                table,
+                self.block_size,
+                int(lens.max()),
+                lens,
+                right_aligned=True,
+            )
         return self._gathers[group]
 
 
