@@ -81,6 +81,8 @@ def test_the_model_part(toy) -> None:
         assert "seconds" in row, (name, row)
         if name != "transformers":  # float32, greedy: the same tokens as transformers
             assert row["first_token_differing"] is None, (name, row)
+            # synchronisations of a decoding step: counted by torch on a GPU, None elsewhere
+            assert (row["syncs_per_step"] is None) == (not torch.cuda.is_available()), row
 
 
 def test_the_engine_part(toy) -> None:

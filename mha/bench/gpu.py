@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -703,6 +704,7 @@ def part_model(budget: float, args) -> dict:
                 tokens = model.generate(ids, new, cache=cache)
                 rows[name] = {
                     "seconds": seconds,
+                    "syncs_per_step": _syncs_per_step(model, ids, cache),
                     "vs_transformers": seconds
                     / rows["transformers"]["seconds"],
                     "first_token_differing": _first_difference(
@@ -722,6 +724,26 @@ def part_model(budget: float, args) -> dict:
         "new_tokens": new,
         "rows": rows,
     }
+
+
+def _syncs_per_step(model, ids, cache: str) -> int | None:
+    """The synchronising CUDA calls of one decoding step after the prompt,
+    as torch's sync debug mode reports them (each a wait for every queued
+    kernel); None off a GPU."""
+    if not ids.is_cuda:
+        return None
+    caches = model.new_caches(1, ids.shape[1] + 2, kind=cache)
+    model(ids, None, None, caches, 1)  # the prompt
+    step = ids[:, -1:]
+    model(step, None, None, caches, 1)  # a first step: allocations settle
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            model(step, None, None, caches, 1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
 
 
 def _first_difference(a, b, start=0) -> int | None:
