@@ -56,7 +56,7 @@ _LAZY = {
     "LearnedPositions": "mha.positions",
     "apply_rope": "mha.positions",
     "Rope": "mha.positions",
-    "GroupedQueryAttention": "mha.decoding",
+    "GroupedQueryAttention": "mha.layer",
     "KVCache": "mha.caches",
     "ConcatKVCache": "mha.caches",
     "PagedKVCache": "mha.caches",

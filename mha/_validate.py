@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 __all__ = [
+    "dtype_or_type",
     "check_int",
     "check_divisible",
     "check_probability",
@@ -227,3 +228,12 @@ def check_window(window: object) -> int | None:
     if window is None:
         return None
     return check_int("window", window)
+
+
+def dtype_or_type(value: object) -> object:
+    """What an error says came: a tensor's dtype, or the type's name."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    return type(value).__name__

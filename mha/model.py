@@ -27,8 +27,8 @@ from ._validate import check_choice, check_int, check_tensor
 from .backends import Masking, get_backend
 from .caches import Cache, KVCache, PagedKVCache, cached_so_far
 from .configs import ModelConfig, check_context, read_config
-from .decoding import GroupedQueryAttention
 from .functional import RMSNorm
+from .layer import GroupedQueryAttention
 from .sampling import Sampling, sample
 
 __all__ = ["RMSNorm", "MLP", "DecoderLayer", "CausalLM"]
