@@ -68,7 +68,10 @@ def test_the_attention_part(toy) -> None:
 def test_the_decode_part(toy) -> None:
     (row,) = gpu.part_decode(600.0, toy)["rows"]
     assert row["kv_bytes"] == 2 * 2 * 2 * 40 * 16 * 4
-    for name in ("sdpa", "split_kv", "paged_16", "paged_64"):
+    names = ["sdpa", "split_kv", "split_kv_packed", "paged_16", "paged_64"]
+    names += [f"{kernel}_w{waves}" for kernel in ("split_kv_packed", "paged_16", "paged_64")
+              for waves in gpu.DECODE_WAVES]  # fmt: skip
+    for name in names:
         assert row[f"{name}_error"] < 1e-5, (name, row)
         assert row[f"{name}_gbs"] == row["kv_bytes"] / 1e6
 
@@ -90,3 +93,56 @@ def test_the_engine_part(toy) -> None:
     assert report["timing"]["requests"] == 2
     for name in ("triton_float32", "sdpa_float32"):
         assert report[name]["requests_equal"] == report["requests"] == 3, report[name]
+
+
+def test_the_ladder_part(toy, monkeypatch) -> None:
+    from mha.bench import ladder
+    from mha.kernels.tiles import LADDER, Tiles
+
+    # toy tiles at d 16: the default first, then one more
+    candidates = {16: [Tiles(16, 16, 4, 1), Tiles(32, 16, 4, 1)]}
+    monkeypatch.setattr(ladder, "TILE_CANDIDATES", candidates)
+    monkeypatch.setattr(ladder, "CS336", dict(batch=1, heads=2, t=24, d=16, causal=True))
+    toy.ladder_lengths = [32, 48]
+    report = gpu.part_ladder(600.0, toy)
+    rows = [r for r in report["rows"] if r["impl"] == "triton"]
+    # 2 lengths x 2 masks x (3 rungs + 1 more tile), each against float32 SDPA
+    assert len(rows) == 2 * 2 * (len(LADDER) + 1) and not report["skipped"]
+    for row in rows:
+        assert row["status"] == "ok" and row["error"] < 1e-5, row
+    # cuDNN needs a GPU: its rows say why, and no ratio is made up without it
+    cudnn = [r for r in report["rows"] if r["impl"] == "sdpa_cudnn"]
+    assert len(cudnn) == 4 and all(r["status"] != "ok" for r in cudnn)
+    assert len(report["ratios"]) == 2 * 2 * len(LADDER)
+    for ratio in report["ratios"]:
+        assert "vs_sdpa_cudnn" not in ratio and ratio["vs_sdpa_flash"] == 1.0
+    # every candidate took "1 ms" at both lengths: the first (the default) is kept, speed-up 1
+    assert report["best_tiles"] == [
+        {"d": 16, "causal": False, "tiles": [16, 16, 4, 1], "speedup_over_default": 1.0},
+        {"d": 16, "causal": True, "tiles": [16, 16, 4, 1], "speedup_over_default": 1.0},
+    ]
+    cs336 = {"shape", "triton_forward_backward_ms", "sdpa_flash_forward_backward_ms"}
+    assert set(report["cs336"]) == cs336
+
+
+def test_best_tiles_are_the_least_total_time_over_the_lengths_all_were_timed_at() -> None:
+    from mha.bench import ladder
+
+    top = ladder.LADDER[-1][0]
+    default, other = (list(vars(t).values()) for t in ladder.TILE_CANDIDATES[64][:2])
+
+    def row(t, tiles, ms):
+        return dict(impl="triton", rung=top, status="ok", d=64, causal=True, T=t, tiles=tiles,
+                    forward_ms=ms)  # fmt: skip
+
+    # other is faster at 1k and slower at 4k: 1 + 5 = 6 against 2 + 3 = 5; the 16k row, timed
+    # for the default only, is left out of both totals
+    rows = [row(1024, default, 2.0), row(4096, default, 3.0), row(16384, default, 50.0),
+            row(1024, other, 1.0), row(4096, other, 5.0)]  # fmt: skip
+    assert ladder.best_tiles(rows) == [
+        {"d": 64, "causal": True, "tiles": default, "speedup_over_default": 1.0}
+    ]
+    rows[-1] = row(4096, other, 2.0)  # now 1 + 2 = 3 against 5
+    assert ladder.best_tiles(rows) == [
+        {"d": 64, "causal": True, "tiles": other, "speedup_over_default": round(5 / 3, 3)}
+    ]

@@ -277,3 +277,47 @@ def test_the_window_builds_pass_the_window() -> None:
             assert launch.constants.get("HAS_KEY_START", False) is key_start
         (launch,) = example_launches(kernel, torch.float16, 64, 90, key_start=True)
         assert "HAS_WINDOW" not in launch.constants and "window" not in launch.constants
+
+
+def test_committed_ladder_shows_what_each_technique_changes() -> None:
+    # python -m mha.kernels --inspect --ladder: every rung of the forward and split-KV kernels
+    # (sm_90, bfloat16, d_k 64 and 128, causal and not), at the default tiles, none spilling.
+    # What each rung must change follows from the technique itself, not from a former run:
+    # exp2 with the scale folded makes one multiply-add of "times the scale, minus the maximum"
+    # (more FFMA, fewer FMUL and FADD) and no exponential more; masks at the edges only add a
+    # second copy of the loop's body (twice the exponentials and tensor-core products in the
+    # code, which still runs each tile once).
+    from mha.kernels.tiles import LADDER
+
+    files = sorted((ROOT / "benchmarks").glob("kernels_ladder_2*.json"))
+    assert files, "no committed results of python -m mha.kernels --inspect --ladder"
+    result = json.loads(files[-1].read_text())
+    assert result["command"].startswith("python -m mha.kernels --inspect --ladder")
+    rows = result["builds"]
+    rungs = [name for name, _ in LADDER]
+    by = {(r["kernel"], r["head_dim"], r["causal"], r["rung"]): r for r in rows}
+    assert len(by) == len(rows) == 2 * 2 * 2 * len(rungs)
+    for (kernel, d, causal, rung), row in by.items():
+        assert row["arch"] == "sm_90" and row["dtype"] == "bfloat16", row
+        assert row["spill_bytes"] == 0 and row["registers"] <= 255, row
+        assert row["techniques"] == [
+            name for name, on in vars(dict(LADDER)[rung]).items() if on
+        ], row  # fmt: skip
+        first, exp2, edges = (by[kernel, d, causal, name] for name in rungs)
+        assert exp2["FFMA"] > first["FFMA"] and exp2["FMUL"] < first["FMUL"], (first, exp2)
+        assert exp2["FADD"] < first["FADD"] and exp2["MUFU.EX2"] == first["MUFU.EX2"]
+        assert exp2["instructions"] < first["instructions"]
+        assert edges["MUFU.EX2"] == 2 * exp2["MUFU.EX2"]
+        assert edges["tensor_core_instructions"] == 2 * exp2["tensor_core_instructions"]
+
+
+def test_the_ladder_option_compiles_each_rung() -> None:
+    completed = _run("--inspect", "--ladder", "--head-dim", "64", "--kernel", "split_kv",
+                     "--mask", "full")  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    rows = [json.loads(line) for line in completed.stdout.splitlines()]
+    assert [row["rung"] for row in rows] == ["first kernel", "exp2, scale folded",
+                                             "masks at the edges only"]  # fmt: skip
+    assert all(row["arch"] == "sm_90" and row["dtype"] == "bfloat16" for row in rows)
+    assert [row["techniques"] for row in rows] == [[], ["exp2"], ["exp2", "edge_masks"]]
+    assert all(row["instructions"] > row["MUFU.EX2"] > 0 for row in rows)

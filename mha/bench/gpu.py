@@ -13,12 +13,15 @@ what is left of one time budget:
    efficient kernels and compiled FlexAttention (FlashAttention's grid:
    d 64 and 128, T 1k-16k, B T = 16k, H d = 2048, causal and not), each
    output's error against float32 beside SDPA flash's;
-4. ``decode``: one decoding step's bandwidth (bytes of keys and values read
+4. ``ladder``: the forward kernel's techniques one rung at a time, and its
+   tiles chosen by timing, beside SDPA's cuDNN kernel
+   (:mod:`mha.bench.ladder`); CS336's leaderboard shape forward and backward;
+5. ``decode``: one decoding step's bandwidth (bytes of keys and values read
    per second) of the split-KV and paged kernels beside SDPA with
    ``enable_gqa``, and the device's copy ceiling;
-5. ``model``: ``CausalLM.generate`` per backend beside transformers'
+6. ``model``: ``CausalLM.generate`` per backend beside transformers'
    ``generate`` on a Llama-3.2-1B-shaped model (random weights, bfloat16);
-6. ``engine``: :class:`mha.Engine` beside ``generate`` one request at a
+7. ``engine``: :class:`mha.Engine` beside ``generate`` one request at a
    time (time, and whether the tokens are equal: float32 and bfloat16, each
    against its own float32 run).
 
@@ -54,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Where everything runs (the tests run the parts on the CPU at toy sizes).
 DEVICE = "cuda"
 #: The parts, in the order they run.
-PARTS = ("race", "tests", "attention", "decode", "model", "engine")
+PARTS = ("race", "tests", "attention", "ladder", "decode", "model", "engine")
 #: Decode shapes: (batch, query heads, key/value heads, keys), d = 128.
 DECODE_SHAPES = [
     (1, 32, 8, 32768),
@@ -67,6 +70,9 @@ DECODE_SHAPES = [
 #: The dtype of every timing (float32 too for the engine's exactness).
 DTYPE = torch.bfloat16
 DECODE_HEAD_DIM = 128
+#: Programs per multiprocessor tried beside the kernels' default of one
+#: wave (more splits keep more loads in flight).
+DECODE_WAVES = (2, 4, 8)
 #: Elements (int16) of the copy that measures the bandwidth ceiling: 2 GiB.
 COPY_ELEMENTS = 2**30
 MODEL_PROMPT, MODEL_NEW_TOKENS = 512, 64
@@ -541,14 +547,29 @@ def part_decode(budget: float, args) -> dict:
             "d": d,
             "kv_bytes": kv_bytes,
         }
+        packed = kernels.Techniques(pack_group=True)
         runs = {
             "sdpa": lambda: F.scaled_dot_product_attention(
                 q, k, v, enable_gqa=True
             ),
             "split_kv": lambda: kernels.triton_split_kv_attention(q, k, v),
+            "split_kv_packed": lambda: kernels.triton_split_kv_attention(
+                q, k, v, techniques=packed
+            ),
         }
+        for waves in DECODE_WAVES:  # more splits: programs per SM
+            splits = _decode_splits(q, k, waves)
+            runs[f"split_kv_packed_w{waves}"] = lambda splits=splits: (
+                kernels.triton_split_kv_attention(
+                    q, k, v, techniques=packed, num_splits=splits
+                )
+            )
         for block in (16, 64):
             runs[f"paged_{block}"] = _paged_runner(q, k, v, block)
+            for waves in DECODE_WAVES:
+                runs[f"paged_{block}_w{waves}"] = _paged_runner(
+                    q, k, v, block, _decode_splits(q, k, waves)
+                )
         for name, run in runs.items():
             try:
                 with torch.no_grad():
@@ -568,9 +589,33 @@ def part_decode(budget: float, args) -> dict:
     }
 
 
-def _paged_runner(q, k, v, block_size):
-    """Keys and values cut into blocks, put in a pool in shuffled order."""
+def _decode_splits(q, k, waves: int) -> int:
+    """Key splits that make ``waves`` programs per multiprocessor for a
+    decoding step whose rows pack a GQA group (split-KV packed, paged)."""
+    from ..kernels.attention import multiprocessors
+    from ..kernels.tiles import default_num_splits, default_tiles
+
+    (batch, heads, t_q, d), (kv_heads, t_k) = q.shape, k.shape[1:3]
+    capability = (
+        torch.cuda.get_device_capability(q.device)
+        if q.device.type == "cuda"
+        else (9, 0)
+    )
+    tiles = default_tiles("split_kv", d, q.dtype, capability)
+    rows = -(-(heads // kv_heads) * t_q // tiles.block_q)
+    return default_num_splits(
+        batch * kv_heads * rows,
+        t_k,
+        tiles.block_k,
+        multiprocessors(q.device) * waves,
+    )
+
+
+def _paged_runner(q, k, v, block_size, num_splits=None):
+    """Keys and values cut into blocks, put in a pool in shuffled order;
+    ``num_splits``: the kernel's default, or this many."""
     from .. import kernels
+    from ..kernels.paged import paged_forward
 
     batch, kv_heads, t_k, d = k.shape
     per_row = -(-t_k // block_size)
@@ -591,6 +636,10 @@ def _paged_runner(q, k, v, block_size):
 
     k_pool, v_pool = pool_of(k), pool_of(v)
     lens = torch.full((batch,), t_k, dtype=torch.int32, device=DEVICE)
+    if num_splits is not None:
+        return lambda: paged_forward(
+            q, k_pool, v_pool, table, lens, num_splits=num_splits
+        )[0]
     return lambda: kernels.triton_paged_attention(
         q, k_pool, v_pool, table, lens
     )
@@ -851,22 +900,31 @@ def part_engine(budget: float, args) -> dict:
 # Driver
 
 
+def part_ladder(budget: float, args) -> dict:
+    """The ladder of techniques and the tiles (:mod:`mha.bench.ladder`)."""
+    from .ladder import part_ladder as run
+
+    return run(budget, args)
+
+
 PART_RUNNERS = {
     "race": part_race,
     "tests": part_tests,
     "attention": part_attention,
+    "ladder": part_ladder,
     "decode": part_decode,
     "model": part_model,
     "engine": part_engine,
 }
 #: Each part's share of the budget, at most (what a part leaves goes on).
 SHARES = {
-    "race": 0.22,
-    "tests": 0.12,
-    "attention": 0.34,
+    "race": 0.2,
+    "tests": 0.1,
+    "attention": 0.28,
+    "ladder": 0.14,
     "decode": 0.08,
-    "model": 0.14,
-    "engine": 0.1,
+    "model": 0.12,
+    "engine": 0.08,
 }
 
 
@@ -929,6 +987,19 @@ def format_summary(report: dict) -> str:
             f"attention d={ratio['d']} causal={ratio['causal']} "
             f"T={ratio['T']}: {cells}"
         )
+    ladder = report.get("ladder", {})
+    for ratio in ladder.get("ratios", []):
+        cells = " ".join(
+            f"{k}={v}" for k, v in ratio.items() if k.startswith("vs_")
+        )
+        lines.append(
+            f"ladder d={ratio['d']} causal={ratio['causal']} T={ratio['T']} "
+            f"{ratio['rung']}: {cells}"
+        )
+    for best in ladder.get("best_tiles", []):
+        lines.append(f"fastest tiles: {best}")
+    if "cs336" in ladder:
+        lines.append(f"cs336: {ladder['cs336']}")
     decode = report.get("decode", {})
     if "rows" in decode:
         lines.append(
@@ -983,6 +1054,13 @@ def main(argv=None) -> int:
         default=[4096, 16384, 1024, 8192, 2048],
     )
     add("--head-dims", type=int, nargs="+", default=[64, 128])
+    add(
+        "--ladder-lengths",
+        type=int,
+        nargs="+",
+        default=[4096, 16384, 1024],
+        help="T of the ladder's shapes (each rung compiles once)",
+    )
     add(
         "--tokens",
         type=int,

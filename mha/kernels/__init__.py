@@ -62,7 +62,11 @@ __all__ = [
     "paged_attention_torch",
     "compile_report",
     "format_report",
+    "Techniques",
+    "LADDER",
 ]
+
+from .tiles import LADDER, Techniques  # noqa: E402 (no Triton needed)
 
 #: The largest head size d_k the kernels take.
 MAX_HEAD_DIM = 256
@@ -198,6 +202,7 @@ def triton_attention(
     key_start: Tensor | None = None,
     sinks: Tensor | None = None,
     window: int | None = None,
+    techniques: Techniques | None = None,
 ) -> Tensor:
     """softmax(q k^T * scale) v for (B, H, T, d_k) tensors, by a Triton kernel.
 
@@ -223,6 +228,7 @@ def triton_attention(
         key_start=key_start,
         sinks=sinks,
         window=window,
+        techniques=techniques,
     )
 
 
@@ -236,6 +242,7 @@ def triton_split_kv_attention(
     num_splits: int | None = None,
     key_start: Tensor | None = None,
     window: int | None = None,
+    techniques: Techniques | None = None,
 ) -> Tensor:
     """Attention for few queries and many keys, the keys split across programs.
 
@@ -264,6 +271,7 @@ def triton_split_kv_attention(
         num_splits=num_splits,
         key_start=key_start,
         window=window,
+        techniques=techniques,
     )
     return out
 

@@ -134,6 +134,14 @@ def parser() -> argparse.ArgumentParser:
         "per-row key starts, or with them only where --key-start is given",
     )
     p.add_argument(
+        "--ladder",
+        action="store_true",
+        help="compile every rung of the ladder of techniques (forward and "
+        "split_kv only; default sm_90, bfloat16, d_k 64 and 128) and add "
+        "each row's rung, switches and counts of the instructions they "
+        "change",
+    )
+    p.add_argument(
         "--cubin-dir",
         type=Path,
         help="write each build's cubin (GPU machine code) to this folder",
@@ -215,21 +223,33 @@ def main(argv: list[str] | None = None) -> int:
     if INTERPRETED:  # TRITON_INTERPRET=1 was set by hand
         print("--inspect compiles: unset TRITON_INTERPRET", file=sys.stderr)
         return 1
-    from .aot import inspect_builds
+    from .aot import inspect_builds, inspect_ladder
 
     if args.cubin_dir is not None:
         args.cubin_dir.mkdir(parents=True, exist_ok=True)
     start, rows = time.perf_counter(), []
-    for row in inspect_builds(
-        args.arch,
-        args.dtype,
-        args.head_dim,
-        args.kernel,
-        args.cubin_dir,
-        causal=tuple(mask == "causal" for mask in args.mask),
-        key_start=args.key_start,
-        window=args.window,
-    ):
+    causal = tuple(mask == "causal" for mask in args.mask)
+    if args.ladder:
+        given = set(argv)
+        builds = inspect_ladder(
+            args.arch if "--arch" in given else ("sm_90",),
+            args.dtype if "--dtype" in given else ("bfloat16",),
+            args.head_dim if "--head-dim" in given else (64, 128),
+            args.kernel,
+            causal,
+        )
+    else:
+        builds = inspect_builds(
+            args.arch,
+            args.dtype,
+            args.head_dim,
+            args.kernel,
+            args.cubin_dir,
+            causal=causal,
+            key_start=args.key_start,
+            window=args.window,
+        )
+    for row in builds:
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.output is not None:

@@ -43,7 +43,7 @@ from triton.runtime.jit import create_function_from_signature
 
 from . import INTERPRETED
 from . import attention as kernels
-from .tiles import INSPECTED_HEAD_DIMS, SHARED_LIMIT
+from .tiles import INSPECTED_HEAD_DIMS, LADDER, SHARED_LIMIT, Techniques
 
 __all__ = [
     "ARCHS",
@@ -55,6 +55,8 @@ __all__ = [
     "read_build",
     "tensor_core_counts",
     "inspect_builds",
+    "inspect_ladder",
+    "instruction_counts",
     "sass",
 ]
 
@@ -85,6 +87,18 @@ WINDOWED = ("forward", "backward_dk_dv", "backward_dq", "split_kv", "paged")
 # One SASS instruction each: the destination registers come first, then A.
 HMMA = re.compile(r"\bHMMA\.")
 HGMMA = re.compile(r"\bHGMMA\.\S+\s+R\d+,\s+(R\d+|gdesc\[)")
+# One SASS line: its address, an optional predicate (@P0, @!UP1), the opcode.
+OPCODE = re.compile(
+    r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)"
+)
+
+#: The kernels with switches (:class:`mha.kernels.tiles.Techniques`).
+SWITCHED = ("forward", "split_kv")
+
+#: The instructions a rung of the ladder is read by: the exponentials
+#: (``MUFU.EX2``), the float multiplies and multiply-adds, the selects and
+#: comparisons that masks compile to.
+COUNTED = ("MUFU.EX2", "FMUL", "FFMA", "FADD", "FSEL", "FSETP", "ISETP")
 
 
 def example_launches(
@@ -95,11 +109,13 @@ def example_launches(
     causal: bool = True,
     key_start: bool = False,
     window: bool = False,
+    techniques: Techniques | None = None,
 ) -> list:
     """The launch(es) of ``kernel`` that :mod:`mha.kernels.attention` makes,
     with its default tiles for the target, on meta tensors; ``key_start``:
     with per-row key starts (a left-padded batch); ``window``: with a
-    sliding window of ``EXAMPLE_WINDOW`` keys."""
+    sliding window of ``EXAMPLE_WINDOW`` keys; ``techniques``: the switches
+    of the kernels in ``SWITCHED`` (None: all off)."""
     batch, heads, kv_heads, t = EXAMPLE.values()
     major = (capability // 10, capability % 10)
     if window and kernel not in WINDOWED:
@@ -123,8 +139,16 @@ def example_launches(
         key_start=starts if key_start else None,
         window=EXAMPLE_WINDOW if window else None,
     )
+    if techniques is not None and kernel not in SWITCHED:
+        raise ValueError(
+            f"techniques are switches of {SWITCHED} only, got {kernel!r}"
+        )
     if kernel == "forward":
-        return [kernels.forward_launch(q, k, v, q, lse, tiles=tiles, **common)]
+        return [
+            kernels.forward_launch(
+                q, k, v, q, lse, tiles=tiles, techniques=techniques, **common
+            )
+        ]
     if kernel == "split_kv":
         programs = batch * heads  # one query tile each
         splits = kernels.default_num_splits(
@@ -143,6 +167,7 @@ def example_launches(
                 partial[..., 0],
                 tiles=tiles,
                 keys_per_split=keys,
+                techniques=techniques,
                 **common,
             )
         ]
@@ -267,6 +292,20 @@ def tensor_core_counts(code: str) -> dict:
     }
 
 
+def instruction_counts(code: str) -> dict:
+    """How many of each instruction of ``COUNTED`` the SASS text holds
+    (``MUFU.EX2`` by its full name, the others by their opcode's first
+    part: ``FSETP.GT.AND`` is an ``FSETP``), and every instruction."""
+    opcodes = OPCODE.findall(code)
+    counts = {name: 0 for name in COUNTED}
+    for opcode in opcodes:
+        if opcode.startswith("MUFU.EX2"):
+            counts["MUFU.EX2"] += 1
+        elif opcode.split(".")[0] in counts:
+            counts[opcode.split(".")[0]] += 1
+    return {"instructions": len(opcodes), **counts}
+
+
 def read_build(compiled, arch: str) -> dict:
     """Registers, stack, spills, shared memory, tensor-core instructions."""
     with tempfile.TemporaryDirectory() as folder:
@@ -354,13 +393,48 @@ def inspect_builds(
                             )
 
 
+def inspect_ladder(
+    archs=("sm_90",),
+    dtypes=("bfloat16",),
+    head_dims=(64, 128),
+    kernel_names=SWITCHED,
+    causal=(True, False),
+) -> Iterator[dict]:
+    """Compile every rung of :data:`mha.kernels.tiles.LADDER` (each
+    (kernel, arch, dtype, head_dim, causal) of the kernels with switches)
+    and yield its row: :func:`inspect_builds`'s, with the rung's name, its
+    switches and :func:`instruction_counts` of its SASS."""
+    if INTERPRETED is not False:
+        raise RuntimeError(
+            "the kernels were decorated for Triton's interpreter: inspect in "
+            "a process started with TRITON_INTERPRET=0"
+        )
+    for arch in archs:
+        for dtype in dtypes:
+            for head_dim in head_dims:
+                for name in kernel_names:
+                    if name not in SWITCHED:
+                        continue
+                    for masked in causal:
+                        for rung, techniques in LADDER:
+                            yield {
+                                "rung": rung,
+                                **_inspect_one(
+                                    name, arch, dtype, head_dim, masked,
+                                    False, False, None, techniques,
+                                ),
+                            }  # fmt: skip
+
+
 def _inspect_one(
-    name, arch, dtype, head_dim, causal, key_start, window, cubin_dir
-) -> dict:
+    name, arch, dtype, head_dim, causal, key_start, window, cubin_dir,
+    techniques=None,
+) -> dict:  # fmt: skip
     capability = ARCHS[arch]
     (launch,) = example_launches(
-        name, DTYPES[dtype], head_dim, capability, causal, key_start, window
-    )
+        name, DTYPES[dtype], head_dim, capability, causal, key_start, window,
+        techniques,
+    )  # fmt: skip
     compiled = compile_launch(launch, capability)
     row = {
         "kernel": name,
@@ -377,6 +451,11 @@ def _inspect_one(
         **read_build(compiled, arch),
         "cubin": None,
     }
+    if techniques is not None:  # a rung of the ladder: what it changed
+        row["techniques"] = [
+            name for name, on in vars(techniques).items() if on
+        ]
+        row.update(instruction_counts(sass(compiled.asm["cubin"])))
     if cubin_dir is not None:
         mask = (
             ("causal" if causal else "full")

@@ -81,8 +81,11 @@ from . import INTERPRETED, MAX_HEAD_DIM
 from .tiles import (
     H100_MULTIPROCESSORS,
     KERNELS,
+    Techniques,
     Tiles,
+    check_techniques,
     default_num_splits,
+    default_techniques,
     default_tiles,
     padded_head_dim,
     split_sizes,
@@ -99,6 +102,7 @@ __all__ = [
     "TritonAttention",
     "triton_attention",
     "Tiles",
+    "Techniques",
     "KERNELS",
     "default_tiles",
     "default_num_splits",
@@ -129,6 +133,8 @@ def _attend(
     HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
     PRECISION: tl.constexpr, HAS_KEY_START: tl.constexpr,
     window, HAS_WINDOW: tl.constexpr,
+    q_first=0, q_last=0, EXP2: tl.constexpr = False,
+    EDGE_MASKS: tl.constexpr = False,
 ):  # fmt: skip
     """The online softmax of one query tile over keys start..stop-1.
 
@@ -136,65 +142,172 @@ def _attend(
     maximum ``m``, sum ``ell`` and weighted values ``acc`` (float32). With
     ``HAS_KEY_START``, keys before ``key_start`` are hidden and not loaded;
     with ``HAS_WINDOW``, a query sees only its ``window`` newest keys.
+
+    Two switches (:class:`mha.kernels.tiles.Techniques`): ``EXP2``, scores
+    in base 2 (``m`` too): ``exp2(s * scale * log2 e - m)``, one multiply-add
+    before the exponential; ``EDGE_MASKS``, the loop cut in three: the key
+    tiles that every row of the tile (its first row is ``q_first``) sees
+    whole run without masks, and only those at the edges (padding, the
+    window's start, the causal diagonal, the ragged tail) are masked.
+    ``start`` is a multiple of ``BLOCK_K``; ``q_first`` and ``q_last`` are
+    the earliest and latest query of the tile's rows.
     """
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)  # running maximum
     ell = tl.full([BLOCK_Q], 0.0, tl.float32)  # running sum of exp(s - m)
     acc = tl.full([BLOCK_Q, PADDED_DIM], 0.0, tl.float32)  # running p @ v
-    for first in range(start, stop, BLOCK_K):
-        cols = first + tl.arange(0, BLOCK_K)  # key positions
+    if EXP2:  # base 2: exp(x) = exp2(x log2 e), folded into the scale
+        scale = scale * 1.4426950408889634
+    if EDGE_MASKS:
+        # [start, lo): padding or the window's start, masked; [lo, hi):
+        # whole tiles every row sees, unmasked; [hi, stop): the diagonal
+        # and the ragged tail, masked
+        lo = start
+        if HAS_KEY_START:
+            lo = tl.maximum(lo, (tl.maximum(key_start, 0) + BLOCK_K - 1)
+                            // BLOCK_K * BLOCK_K)  # fmt: skip
+        if HAS_WINDOW:  # the tile's last row's window starts latest
+            oldest = q_last + offset - window + 1
+            lo = tl.maximum(lo, (tl.maximum(oldest, 0) + BLOCK_K - 1)
+                            // BLOCK_K * BLOCK_K)  # fmt: skip
+        lo = tl.minimum(lo, stop)
+        hi = stop
+        if CAUSAL:  # the tile's first row sees keys 0..q_first + offset
+            hi = tl.minimum(hi, q_first + offset + 1)
+        hi = lo + tl.maximum(hi - lo, 0) // BLOCK_K * BLOCK_K
+        # the edges hold a tile or two: not pipelined (num_stages=1), which
+        # spares the registers of a second pipeline (sm_90, d_k 64: 255
+        # and spilling with it, 238 without)
+        for first in tl.range(start, lo, BLOCK_K, num_stages=1):
+            m, ell, acc = _key_tile(
+                m, ell, acc, q, k_head, v_head, rows, dims, first, stop,
+                offset, key_start, scale, stride_kt, stride_kd, stride_vt,
+                stride_vd, CAUSAL, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
+                HAS_KEY_START, window, HAS_WINDOW, True, EXP2,
+            )  # fmt: skip
+        for first in range(lo, hi, BLOCK_K):
+            m, ell, acc = _key_tile(
+                m, ell, acc, q, k_head, v_head, rows, dims, first, stop,
+                offset, key_start, scale, stride_kt, stride_kd, stride_vt,
+                stride_vd, CAUSAL, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
+                HAS_KEY_START, window, HAS_WINDOW, False, EXP2,
+            )  # fmt: skip
+        for first in tl.range(hi, stop, BLOCK_K, num_stages=1):
+            m, ell, acc = _key_tile(
+                m, ell, acc, q, k_head, v_head, rows, dims, first, stop,
+                offset, key_start, scale, stride_kt, stride_kd, stride_vt,
+                stride_vd, CAUSAL, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
+                HAS_KEY_START, window, HAS_WINDOW, True, EXP2,
+            )  # fmt: skip
+    else:
+        for first in range(start, stop, BLOCK_K):
+            m, ell, acc = _key_tile(
+                m, ell, acc, q, k_head, v_head, rows, dims, first, stop,
+                offset, key_start, scale, stride_kt, stride_kd, stride_vt,
+                stride_vd, CAUSAL, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
+                HAS_KEY_START, window, HAS_WINDOW, True, EXP2,
+            )  # fmt: skip
+    return m, ell, acc
+
+
+@triton.jit
+def _key_tile(
+    m, ell, acc, q, k_head, v_head, rows, dims, first, stop, offset,
+    key_start, scale, stride_kt, stride_kd, stride_vt, stride_vd,
+    CAUSAL: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PADDED_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_KEY_START: tl.constexpr, window, HAS_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr, EXP2: tl.constexpr,
+):  # fmt: skip
+    """The key tile first..first + BLOCK_K - 1 into the running ``m``,
+    ``ell``, ``acc``; without ``MASKED`` every row sees every key of the
+    tile (nothing masked but the head size's padding)."""
+    cols = first + tl.arange(0, BLOCK_K)  # key positions
+    k_tile = _tile(k_head, cols, dims, stride_kt, stride_kd)
+    v_tile = _tile(v_head, cols, dims, stride_vt, stride_vd)
+    if MASKED:
         visible = cols < stop  # (B_k,)
         if HAS_KEY_START:  # left padding: keys before key_start hidden
             visible = visible & (cols >= key_start)
         exists = visible[:, None] & (dims[None, :] < HEAD_DIM)
-        k_tile = _tile(k_head, cols, dims, stride_kt, stride_kd)
-        v_tile = _tile(v_head, cols, dims, stride_vt, stride_vd)
         k = tl.load(k_tile, exists, 0.0)  # (B_k, d_k), padding reads 0
         v = tl.load(v_tile, exists, 0.0)  # (B_k, d_v)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if not EXP2:  # scaled here; with EXP2 in the step's multiply-add
+            scores = scores * scale
         keep = visible[None, :]  # (1, B_k), broadcast with rows below
         if CAUSAL:  # bottom-right: query i sees keys 0..i + T_k - T_q
             keep = keep & (cols[None, :] <= rows[:, None] + offset)
         if HAS_WINDOW:  # and none before its window
             keep = keep & (cols[None, :] > rows[:, None] + offset - window)
         scores = tl.where(keep, scores, float("-inf"))  # (B_q, B_k)
-        m, ell, acc = _online_step(m, ell, acc, scores, v, PRECISION)
-    return m, ell, acc
+    else:
+        if HEAD_DIM == PADDED_DIM:
+            k = tl.load(k_tile)
+            v = tl.load(v_tile)
+        else:
+            inside = (cols[:, None] >= 0) & (dims[None, :] < HEAD_DIM)
+            k = tl.load(k_tile, inside, 0.0)
+            v = tl.load(v_tile, inside, 0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if not EXP2:
+            scores = scores * scale
+    return _online_step(m, ell, acc, scores, v, scale, PRECISION, EXP2)
 
 
 @triton.jit
-def _online_step(m, ell, acc, scores, v, PRECISION: tl.constexpr):
+def _online_step(
+    m, ell, acc, scores, v, scale, PRECISION: tl.constexpr,
+    EXP2: tl.constexpr,
+):  # fmt: skip
     """One tile of keys into the running maximum ``m``, sum ``ell`` and
     weighted values ``acc``: the online softmax's step, which every
-    forward kernel (this module's and the paged one) takes."""
-    m_new = tl.maximum(m, tl.reduce(scores, 1, _maximum))  # row max
-    # a row with no visible key yet: exponentiate against 0, no NaN
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    rescale = tl.exp(m - m_safe)  # brings old sums to the new maximum
-    p = tl.exp(scores - m_safe[:, None])  # (B_q, B_k)
+    forward kernel (this module's and the paged one) takes. ``scores``
+    are scaled (-inf where masked); with ``EXP2`` they are not: ``scale``
+    then includes log2 e, and ``m`` is in base 2."""
+    if EXP2:  # p = exp2(s * scale - m): one multiply-add
+        m_new = tl.maximum(m, tl.reduce(scores, 1, _maximum) * scale)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.exp2(m - m_safe)
+        p = tl.exp2(scores * scale - m_safe[:, None])
+    else:
+        m_new = tl.maximum(m, tl.reduce(scores, 1, _maximum))  # row max
+        # a row with no visible key yet: exponentiate against 0, no NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        rescale = tl.exp(m - m_safe)  # brings old sums to the new maximum
+        p = tl.exp(scores - m_safe[:, None])  # (B_q, B_k)
     ell = rescale * ell + tl.reduce(p, 1, _add)  # row sum
     pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, ell, rescale[:, None] * acc + pv  # acc: (B_q, d_v)
 
 
 @triton.jit
-def _finish(m, ell, acc):
-    """Output rows ``acc / ell`` (0 where no key was seen) and logsumexp."""
+def _finish(m, ell, acc, EXP2: tl.constexpr = False):
+    """Output rows ``acc / ell`` (0 where no key was seen) and logsumexp
+    (natural; from base 2 with ``EXP2``)."""
     seen = ell > 0.0
     out = acc / tl.where(seen, ell, 1.0)[:, None]
-    logsumexp = tl.where(
-        seen, m + tl.log(tl.where(seen, ell, 1.0)), -float("inf")
-    )
+    if EXP2:  # ln(sum) = ln 2 (m + log2 ell), m in base 2
+        total = (m + tl.log2(tl.where(seen, ell, 1.0))) * 0.6931471805599453
+    else:
+        total = m + tl.log(tl.where(seen, ell, 1.0))
+    logsumexp = tl.where(seen, total, -float("inf"))
     return out, logsumexp
 
 
 @triton.jit
-def _add_sink(m, ell, acc, sink):
+def _add_sink(m, ell, acc, sink, EXP2: tl.constexpr = False):
     """A learned sink logit (gpt-oss): one more term in ``ell``, with no
     value, folded in after the keys (the order of the terms of a sum does
     not matter to the online softmax)."""
-    m_new = tl.maximum(m, sink)  # finite: the sink is
-    rescale = tl.exp(m - m_new)  # 0 for a row that saw no key (m = -inf)
-    ell = rescale * ell + tl.exp(sink - m_new)
+    if EXP2:  # m is in base 2: so is the sink
+        sink = sink * 1.4426950408889634
+        m_new = tl.maximum(m, sink)
+        rescale = tl.exp2(m - m_new)
+        ell = rescale * ell + tl.exp2(sink - m_new)
+    else:
+        m_new = tl.maximum(m, sink)  # finite: the sink is
+        rescale = tl.exp(m - m_new)  # 0 for a row that saw no key (m = -inf)
+        ell = rescale * ell + tl.exp(sink - m_new)
     return m_new, ell, rescale[:, None] * acc
 
 
@@ -212,6 +325,7 @@ def _forward_kernel(
     PRECISION: tl.constexpr, HAS_KEY_START: tl.constexpr,
     Sinks=None, HAS_SINKS: tl.constexpr = False,  # (H,) learned sink logits
     window=None, HAS_WINDOW: tl.constexpr = False,  # a positive int
+    EXP2: tl.constexpr = False, EDGE_MASKS: tl.constexpr = False,
 ):  # fmt: skip
     """One program: the output rows of one query tile of one (batch, head)."""
     q_block, batch_head = tl.program_id(0), tl.program_id(1)
@@ -240,11 +354,13 @@ def _forward_kernel(
         q, k_head, v_head, rows, dims, start, stop, offset, key_start, scale,
         stride_kt, stride_kd, stride_vt, stride_vd,
         CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
-        HAS_KEY_START, window, HAS_WINDOW,
+        HAS_KEY_START, window, HAS_WINDOW, q_block * BLOCK_Q,
+        q_block * BLOCK_Q + BLOCK_Q - 1, EXP2, EDGE_MASKS,
     )  # fmt: skip
     if HAS_SINKS:
-        m, ell, acc = _add_sink(m, ell, acc, tl.load(Sinks + h).to(tl.float32))
-    out, logsumexp = _finish(m, ell, acc)
+        sink = tl.load(Sinks + h).to(tl.float32)
+        m, ell, acc = _add_sink(m, ell, acc, sink, EXP2)
+    out, logsumexp = _finish(m, ell, acc, EXP2)
     out_tile = _tile(Out + b * stride_ob + h * stride_oh, rows, dims,
                      stride_ot, stride_od)  # fmt: skip
     tl.store(out_tile, out.to(Out.dtype.element_ty), real)
@@ -262,31 +378,61 @@ def _split_kv_kernel(
     HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
     PRECISION: tl.constexpr, HAS_KEY_START: tl.constexpr,
     window=None, HAS_WINDOW: tl.constexpr = False,  # a positive int
+    EXP2: tl.constexpr = False, EDGE_MASKS: tl.constexpr = False,
+    PACK_GROUP: tl.constexpr = False,
 ):  # fmt: skip
     """One program: one query tile against one split of the keys.
 
     Writes the split's own softmax output (float32) and logsumexp; the
-    splits are merged afterwards by :func:`merge_partials`.
+    splits are merged afterwards by :func:`merge_partials`. With
+    ``PACK_GROUP`` a tile's rows are the query heads of one group times
+    the queries (row r: query ``r % T_q`` of head ``kv * G + r // T_q``),
+    as in :mod:`mha.kernels.paged`: each key tile is read once per group.
     """
     split, q_block = tl.program_id(0), tl.program_id(1)
-    batch_head = tl.program_id(2)
+    batch_head = tl.program_id(2)  # (b, h), or (b, kv) with PACK_GROUP
     num_splits = tl.num_programs(0)
-    b, h = batch_head // num_heads, batch_head % num_heads
-    kv = h // group
-    q_head = Q + b * stride_qb + h * stride_qh
-    k_head = K + b * stride_kb + kv * stride_kh
-    v_head = V + b * stride_vb + kv * stride_vh
-    rows = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)
     dims = tl.arange(0, PADDED_DIM)
-    real = (rows[:, None] < t_q) & (dims[None, :] < HEAD_DIM)
-    q = tl.load(_tile(q_head, rows, dims, stride_qt, stride_qd), real, 0.0)
     offset = t_k - t_q
     start = split * keys_per_split  # this program's keys: start..stop-1
     stop = tl.minimum(t_k, start + keys_per_split)
-    if CAUSAL:
-        stop = tl.minimum(
-            stop, tl.maximum(0, (q_block + 1) * BLOCK_Q + offset)
+    if PACK_GROUP:
+        num_kv_heads = num_heads // group
+        b, kv = batch_head // num_kv_heads, batch_head % num_kv_heads
+        r = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)  # packed rows
+        head, rows = kv * group + r // t_q, r % t_q
+        real = (r[:, None] < group * t_q) & (dims[None, :] < HEAD_DIM)
+        q_tile = (
+            Q
+            + b * stride_qb
+            + head[:, None] * stride_qh
+            + rows[:, None] * stride_qt
+            + dims[None, :] * stride_qd
         )
+        q = tl.load(q_tile, real, 0.0)  # fmt: skip
+        # the tile's earliest and latest queries: all of them if it runs on
+        # into the next head, else a run of BLOCK_Q
+        first_query = (q_block * BLOCK_Q) % t_q
+        wraps = first_query + BLOCK_Q > t_q
+        q_first = tl.where(wraps, 0, first_query)
+        q_last = tl.where(wraps, t_q - 1, first_query + BLOCK_Q - 1)
+        if CAUSAL:
+            stop = tl.minimum(stop, tl.maximum(0, q_last + 1 + offset))
+    else:
+        b, h = batch_head // num_heads, batch_head % num_heads
+        kv = h // group
+        q_head = Q + b * stride_qb + h * stride_qh
+        rows = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        real = (rows[:, None] < t_q) & (dims[None, :] < HEAD_DIM)
+        q = tl.load(_tile(q_head, rows, dims, stride_qt, stride_qd), real, 0.0)
+        q_first = q_block * BLOCK_Q
+        q_last = q_first + BLOCK_Q - 1
+        if CAUSAL:
+            stop = tl.minimum(
+                stop, tl.maximum(0, (q_block + 1) * BLOCK_Q + offset)
+            )
+    k_head = K + b * stride_kb + kv * stride_kh
+    v_head = V + b * stride_vb + kv * stride_vh
     key_start = 0
     if HAS_KEY_START:  # splits start on a tile: so does the padding's end
         key_start = tl.load(KeyStart + b)
@@ -294,19 +440,30 @@ def _split_kv_kernel(
             start, tl.maximum(key_start, 0) // BLOCK_K * BLOCK_K
         )
     if HAS_WINDOW:  # key tiles before the tile's first query's window
-        first = tl.maximum(q_block * BLOCK_Q + offset - window + 1, 0)
+        first = tl.maximum(q_first + offset - window + 1, 0)
         start = tl.maximum(start, first // BLOCK_K * BLOCK_K)
     m, ell, acc = _attend(
         q, k_head, v_head, rows, dims, start, stop, offset, key_start, scale,
         stride_kt, stride_kd, stride_vt, stride_vd,
         CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
-        HAS_KEY_START, window, HAS_WINDOW,
+        HAS_KEY_START, window, HAS_WINDOW, q_first, q_last, EXP2,
+        EDGE_MASKS,
     )  # fmt: skip
-    out, logsumexp = _finish(m, ell, acc)
-    part = batch_head * num_splits + split  # partial[b, h, split]
-    out_tile = _tile(Partial + part * t_q * HEAD_DIM, rows, dims, HEAD_DIM, 1)
-    tl.store(out_tile, out, real)
-    tl.store(PartialLSE + part * t_q + rows, logsumexp, rows < t_q)
+    out, logsumexp = _finish(m, ell, acc, EXP2)
+    if PACK_GROUP:  # each row to its own head's partial[b, head, split]
+        part = (b * num_heads + head) * num_splits + split  # (B_q,)
+        out_tile = (Partial + part[:, None] * t_q * HEAD_DIM
+                    + rows[:, None] * HEAD_DIM + dims[None, :])  # fmt: skip
+        tl.store(out_tile, out, real)
+        tl.store(PartialLSE + part * t_q + rows, logsumexp,
+                 r < group * t_q)  # fmt: skip
+    else:
+        part = batch_head * num_splits + split  # partial[b, h, split]
+        out_tile = _tile(
+            Partial + part * t_q * HEAD_DIM, rows, dims, HEAD_DIM, 1
+        )
+        tl.store(out_tile, out, real)
+        tl.store(PartialLSE + part * t_q + rows, logsumexp, rows < t_q)
 
 
 @triton.jit
@@ -465,12 +622,19 @@ class Launch:
 
 
 def _constants(
-    q: Tensor, tiles: Tiles, causal: bool, key_start=None, window=None
+    q: Tensor,
+    tiles: Tiles,
+    causal: bool,
+    key_start=None,
+    window=None,
+    techniques: Techniques | None = None,
 ) -> dict:
     d_k = q.shape[-1]
     window = {} if window is None else {"window": window, "HAS_WINDOW": True}
+    switches = {} if techniques is None else techniques.constants()
     return {
         **window,
+        **switches,
         "CAUSAL": bool(causal),
         "HAS_KEY_START": key_start is not None,
         "BLOCK_Q": tiles.block_q,
@@ -501,11 +665,11 @@ def _tiles(q, kernel, block_q, block_k, capability) -> Tiles:
 
 def forward_launch(
     q, k, v, out, logsumexp, *, causal, scale, tiles, key_start=None,
-    sinks=None, window=None,
+    sinks=None, window=None, techniques=None,
 ):  # fmt: skip
     """The forward kernel's launch: one program per (query tile, b, h);
     ``key_start`` (B,) int32 or None (no padding); ``sinks`` (H,) float32
-    or None."""
+    or None; ``techniques``, a :class:`Techniques` (None: all off)."""
     (batch, heads, t_q, _), (kv_heads, t_k) = q.shape, k.shape[1:3]
     grid = (triton.cdiv(t_q, tiles.block_q), batch * heads)
     args = (
@@ -513,7 +677,7 @@ def forward_launch(
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         heads, heads // kv_heads, t_q, t_k, scale,
     )  # fmt: skip
-    constants = _constants(q, tiles, causal, key_start, window)
+    constants = _constants(q, tiles, causal, key_start, window, techniques)
     if sinks is not None:
         constants.update(Sinks=sinks, HAS_SINKS=True)
     return Launch(_forward_kernel, grid, args, constants)
@@ -521,19 +685,23 @@ def forward_launch(
 
 def split_kv_launch(
     q, k, v, partial, partial_lse, *, causal, scale, tiles, keys_per_split,
-    key_start=None, window=None,
+    key_start=None, window=None, techniques=None,
 ):  # fmt: skip
     """The split-KV kernel's launch: one program per (split, query tile, b,
     h); ``partial`` is (B, H, splits, T_q, d_k) float32."""
     (batch, heads, t_q, _), (kv_heads, t_k) = q.shape, k.shape[1:3]
     splits = partial.shape[2]
     grid = (splits, triton.cdiv(t_q, tiles.block_q), batch * heads)
+    if techniques is not None and techniques.pack_group:  # rows: a group's
+        group = heads // kv_heads
+        grid = (splits, triton.cdiv(group * t_q, tiles.block_q),
+                batch * kv_heads)  # fmt: skip
     args = (
         q, k, v, partial, partial_lse, key_start,
         *q.stride(), *k.stride(), *v.stride(),
         heads, heads // kv_heads, t_q, t_k, keys_per_split, scale,
     )  # fmt: skip
-    constants = _constants(q, tiles, causal, key_start, window)
+    constants = _constants(q, tiles, causal, key_start, window, techniques)
     return Launch(_split_kv_kernel, grid, args, constants)
 
 
@@ -581,13 +749,15 @@ def attention_forward(
     key_start: Tensor | None = None,
     sinks: Tensor | None = None,
     window: int | None = None,
+    techniques: Techniques | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The forward kernel: ``(out, logsumexp)``, (B, H, T_q, d_k), (B, H, T_q).
 
     The logsumexp is float32 whatever the inputs' dtype; -inf for a query
     that sees no key (its output row is zeros). With ``sinks`` (H,) the
     sinks' terms are in the logsumexp (then ``s_h`` for a query that sees
-    no key).
+    no key). ``techniques``: the kernel's switches (:class:`Techniques`;
+    None: :func:`default_techniques` for the GPU).
     """
     scale = _check_inputs(q, k, v, scale, block_q, block_k)
     key_start = check_key_start(key_start, q)
@@ -595,11 +765,19 @@ def attention_forward(
     if sinks is not None:
         sinks = _check_sinks(sinks, q).float().contiguous()
     tiles = _tiles(q, "forward", block_q, block_k, None)
+    techniques = _techniques(q, techniques)
+    if techniques.pack_group:
+        raise ValueError(
+            "techniques.pack_group is a switch of the split-KV kernel only "
+            "(split_kv_forward, triton_split_kv_attention); the forward "
+            "kernel's tiles are one head's queries"
+        )
     out = torch.empty_like(q)
     logsumexp = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     forward_launch(
         q, k, v, out, logsumexp, causal=causal, scale=scale, tiles=tiles,
         key_start=key_start, sinks=sinks, window=window,
+        techniques=techniques,
     )()  # fmt: skip
     return out, logsumexp
 
@@ -652,6 +830,7 @@ def split_kv_forward(
     block_k: int | None = None,
     key_start: Tensor | None = None,
     window: int | None = None,
+    techniques: Techniques | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Split-KV attention ("Flash-Decoding"): ``(out, logsumexp)``.
 
@@ -659,16 +838,22 @@ def split_kv_forward(
     :func:`default_num_splits`); one program per (split, query tile, batch,
     head) writes its range's output and logsumexp, and
     :func:`merge_partials` merges them. Meant for few queries and a long
-    cache. No gradient. ``key_start``, ``window``: as in
+    cache. No gradient. ``key_start``, ``window``, ``techniques``: as in
     :func:`attention_forward`.
     """
     scale = _check_inputs(q, k, v, scale, None, block_k)
     key_start = check_key_start(key_start, q)
     window = check_window(window)
     tiles = _tiles(q, "split_kv", None, block_k, None)
+    techniques = _techniques(q, techniques)
     (batch, heads, t_q, d_k), t_k = q.shape, k.shape[2]
     if num_splits is None:
         programs = batch * heads * triton.cdiv(t_q, tiles.block_q)
+        if techniques.pack_group:  # one tile of rows per group
+            group = heads // k.shape[1]
+            programs = (
+                batch * k.shape[1] * triton.cdiv(group * t_q, tiles.block_q)
+            )
         num_splits = default_num_splits(
             programs, t_k, tiles.block_k, _multiprocessors(q.device)
         )
@@ -681,7 +866,7 @@ def split_kv_forward(
         split_kv_launch(
             q, k, v, partial, partial_lse, causal=causal, scale=scale,
             tiles=tiles, keys_per_split=keys_per_split, key_start=key_start,
-            window=window,
+            window=window, techniques=techniques,
         )()  # fmt: skip
         out, logsumexp = merge_partials(partial, partial_lse)
     return out.to(q.dtype), logsumexp
@@ -699,6 +884,14 @@ def merge_partials(partial: Tensor, partial_lse: Tensor):
     out = (weights[..., None] * partial).sum(dim=2)
     out = out / total.masked_fill(total == 0, 1.0)[..., None]
     return out, top[:, :, 0] + torch.log(total)
+
+
+def _techniques(q: Tensor, techniques: object) -> Techniques:
+    if check_techniques(techniques) is not None:
+        return techniques
+    if q.device.type == "cuda":
+        return default_techniques(torch.cuda.get_device_capability(q.device))
+    return default_techniques()
 
 
 def _like(t: Tensor) -> dict:
@@ -723,13 +916,15 @@ class TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, q, k, v, causal, scale, block_q, block_k, key_start, sinks=None,
-        window=None,
+        window=None, techniques=None,
     ):  # fmt: skip
         settings = dict(
             causal=causal, scale=scale, block_q=block_q, block_k=block_k,
             key_start=key_start, window=window,
         )  # fmt: skip
-        out, logsumexp = attention_forward(q, k, v, **settings, sinks=sinks)
+        out, logsumexp = attention_forward(
+            q, k, v, **settings, sinks=sinks, techniques=techniques
+        )
         ctx.save_for_backward(q, k, v, out, logsumexp, sinks)
         ctx.settings = settings
         return out
@@ -743,7 +938,7 @@ class TritonAttention(torch.autograd.Function):
         d_sinks = None
         if sinks is not None and ctx.needs_input_grad[8]:
             d_sinks = _sink_gradient(sinks, out, logsumexp, d_out)
-        return (*grads, None, None, None, None, None, d_sinks, None)
+        return (*grads, None, None, None, None, None, d_sinks, None, None)
 
 
 def triton_attention(
@@ -758,6 +953,7 @@ def triton_attention(
     key_start: Tensor | None = None,
     sinks: Tensor | None = None,
     window: int | None = None,
+    techniques: Techniques | None = None,
 ) -> Tensor:
     """softmax(q k^T * scale) v by the Triton kernels, differentiable.
 
@@ -785,13 +981,16 @@ def triton_attention(
             newest keys, its own included (keys j > i + T_k - T_q -
             window; a sliding window); the key tiles before every query's
             window are skipped, forward and backward.
+        techniques: the forward kernel's switches, a :class:`Techniques`;
+            None: :func:`default_techniques` (every switch off until a GPU
+            measurement shows it pays). The backward is the same for all.
 
     Returns:
         (B, H, T_q, d_k), in the inputs' dtype.
     """
     return TritonAttention.apply(
         q, k, v, bool(causal), scale, block_q, block_k, key_start, sinks,
-        window,
+        window, techniques,
     )  # fmt: skip
 
 

@@ -136,8 +136,10 @@ def _paged_kernel(
         if HAS_WINDOW:  # each row's own window: p - j < window
             keep = keep & (position[:, None] - cols[None, :] < window)
         scores = tl.where(keep, scores, float("-inf"))  # (B_q, B_k)
-        m, ell, acc = online_step(m, ell, acc, scores, v, PRECISION)
-    out, logsumexp = finish_rows(m, ell, acc)
+        m, ell, acc = online_step(
+            m, ell, acc, scores, v, scale, PRECISION, False
+        )
+    out, logsumexp = finish_rows(m, ell, acc, False)
     part = batch_kv * num_splits + split  # partial[b, kv, split]
     out_tile = (Partial + part * num_rows * HEAD_DIM + r[:, None] * HEAD_DIM
                 + dims[None, :])  # fmt: skip

@@ -17,6 +17,10 @@ from .._validate import check_int
 
 __all__ = [
     "Tiles",
+    "Techniques",
+    "LADDER",
+    "default_techniques",
+    "check_techniques",
     "KERNELS",
     "default_tiles",
     "padded_head_dim",
@@ -50,6 +54,71 @@ class Tiles:
     block_k: int  # keys per tile
     num_warps: int  # warps of 32 threads per program
     num_stages: int  # loads kept in flight by Triton's software pipelining
+
+
+@dataclass(frozen=True)
+class Techniques:
+    """Switches of the forward kernels (``forward`` and ``split_kv``), each
+    a change of the same algorithm that is kept only where it is measured
+    to pay; every one off is the book's first kernel.
+
+    * ``exp2``: the scores in base 2, ``exp2(s * scale * log2 e - m)``: the
+      scale folded into one multiply-add before the exponential (the GPU's
+      ``exp`` is ``exp2`` after a multiply anyway), the running maximum in
+      base 2, the logsumexp turned back to base e once at the end.
+    * ``edge_masks``: the loop over key tiles cut in three, so that only
+      the tiles at the edges are masked (padding, the start of a window,
+      the causal diagonal, the ragged tail) and every tile that all the
+      query tile's rows see whole runs with no mask and unmasked loads.
+    * ``pack_group`` (``split_kv`` only): a tile's rows are the query heads
+      of one GQA group times the queries, as the paged kernel's always are,
+      so that each key tile is read once per group, not once per head.
+    """
+
+    exp2: bool = False
+    edge_masks: bool = False
+    pack_group: bool = False
+
+    def constants(self) -> dict:
+        """The kernels' constexprs: only those switched on, so that a
+        launch with every switch off compiles to the first kernel."""
+        return {
+            name: True
+            for name, on in (
+                ("PACK_GROUP", self.pack_group),
+                ("EXP2", self.exp2),
+                ("EDGE_MASKS", self.edge_masks),
+            )
+            if on
+        }
+
+
+#: The ladder: from the book's first kernel, one technique more per rung
+#: (``python -m mha.bench.gpu`` times each rung; the compiler report shows
+#: what each changes).
+LADDER = (
+    ("first kernel", Techniques()),
+    ("exp2, scale folded", Techniques(exp2=True)),
+    ("masks at the edges only", Techniques(exp2=True, edge_masks=True)),
+)
+
+
+def default_techniques(capability: tuple[int, int] = (9, 0)) -> Techniques:
+    """The switches the kernels run with on a GPU of ``capability``: every
+    one off until a GPU measurement (``make gpu-check``) shows it pays
+    there."""
+    del capability  # no switch measured yet on any GPU
+    return Techniques()
+
+
+def check_techniques(techniques: object) -> Techniques | None:
+    """``techniques``: a :class:`Techniques` or None (the defaults)."""
+    if techniques is not None and not isinstance(techniques, Techniques):
+        raise TypeError(
+            "techniques must be a mha.kernels.Techniques or None, got "
+            f"{type(techniques).__name__} {techniques!r}"
+        )
+    return techniques
 
 
 #: The kernels, by the names the inspection reports (``paged``:

@@ -1,0 +1,287 @@
+"""The forward kernels' switches (mha.kernels.Techniques): each rung of the ladder is right.
+
+Expected values come from a dense float64 form written here (scores, the masks as boolean
+matrices, the sink as one more column, softmax), never from the kernels. In Triton's
+interpreter masks at the edges only must change no bit (the same operations on the same
+values), and the tiles run without a mask are counted against a brute-force list of the tiles
+that every row of a query tile sees whole. On a GPU the 16-bit rungs are held to twice the error
+of SDPA's own kernel on the same inputs.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+
+import pytest
+import torch
+from mha import kernels
+from mha.kernels import LADDER, Techniques
+
+from helpers import KERNEL_DEVICE, randn
+
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.skipif(not kernels.TRITON_AVAILABLE, reason="triton is not installed"),
+]
+
+DEVICE = KERNEL_DEVICE
+SWITCHES = [
+    Techniques(exp2=e, edge_masks=m) for e, m in itertools.product((False, True), repeat=2)
+]
+
+# (B, H, H_kv, T_q, T_k, d, causal, key starts, window, sinks, block_q, block_k): ragged tails,
+# T_q < T_k and T_q > T_k with causal masks, GQA, odd head sizes, left padding, windows, sinks
+CASES = [
+    (1, 2, 2, 64, 64, 64, True, None, None, False, 16, 16),
+    (2, 4, 2, 33, 100, 80, True, (5, 37), None, False, 16, 16),
+    (1, 4, 1, 100, 60, 32, True, None, None, True, 16, 32),
+    (2, 2, 1, 50, 130, 59, False, (0, 70), None, False, 32, 16),
+    (1, 2, 2, 65, 65, 96, True, (3,), 20, True, 16, 16),
+    (2, 2, 2, 40, 129, 48, False, None, None, False, 16, 16),
+    (1, 2, 1, 77, 77, 40, True, None, 33, False, 32, 16),
+    # offsets T_k - T_q of 14 and 15: a tile's first row sees up to one key short of, or up
+    # to the end of, a key tile (the two sides of an off-by-one in the unmasked range)
+    (1, 2, 1, 50, 64, 64, True, None, None, False, 16, 16),
+    (2, 2, 2, 49, 64, 32, True, (20, 0), None, False, 16, 16),
+]
+
+
+def dense(q, k, v, causal, key_start=None, window=None, sinks=None):
+    """float64 attention written out: output and logsumexp (over the keys and the sink)."""
+    q, k, v = (t.detach().cpu().double() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    t_q, t_k = q.shape[2], k.shape[2]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    i = torch.arange(t_q)[:, None] + t_k - t_q  # each query's position
+    j = torch.arange(t_k)[None, :]
+    seen = torch.ones(q.shape[0], 1, t_q, t_k, dtype=torch.bool)
+    if causal:
+        seen &= j <= i
+    if window is not None:
+        seen &= j > i - window
+    if key_start is not None:
+        seen &= j[None, None] >= torch.tensor(key_start)[:, None, None, None]
+    scores = scores.masked_fill(~seen, -math.inf)
+    if sinks is not None:
+        column = sinks.detach().cpu().double()[:, None, None].expand(*scores.shape[:-1], 1)
+        scores = torch.cat((scores, column), dim=-1)
+    lse = scores.logsumexp(-1)
+    weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # a row that sees nothing: 0
+    return weights[..., :t_k] @ v, lse
+
+
+def _case(case, dtype=torch.float32, seed=0):
+    b, h, h_kv, t_q, t_k, d, causal, starts, window, sinks, bq, bk = case
+    q = randn(b, h, t_q, d, seed=seed, dtype=torch.float32).to(dtype).to(DEVICE)
+    k = randn(b, h_kv, t_k, d, seed=seed + 1, dtype=torch.float32).to(dtype).to(DEVICE)
+    v = randn(b, h_kv, t_k, d, seed=seed + 2, dtype=torch.float32).to(dtype).to(DEVICE)
+    settings = dict(causal=causal, window=window, block_q=bq, block_k=bk)
+    if starts is not None:
+        settings["key_start"] = torch.tensor(starts, dtype=torch.int32).to(DEVICE)
+    if sinks:
+        settings["sinks"] = randn(h, seed=seed + 3, dtype=torch.float32).to(DEVICE)
+    return q, k, v, settings
+
+
+def _dense_of(q, k, v, settings):
+    starts = settings.get("key_start")
+    return dense(q, k, v, settings["causal"], None if starts is None else starts.tolist(),
+                 settings["window"], settings.get("sinks"))  # fmt: skip
+
+
+@pytest.mark.parametrize("techniques", SWITCHES, ids=repr)
+@pytest.mark.parametrize("case", CASES)
+def test_every_switch_equals_the_dense_form(case, techniques) -> None:
+    from mha.kernels.attention import attention_forward
+
+    q, k, v, settings = _case(case)
+    out, lse = attention_forward(q, k, v, techniques=techniques, **settings)
+    want, want_lse = _dense_of(q, k, v, settings)
+    assert (out.cpu().double() - want).abs().max() < 1e-5
+    # the logsumexp, back in base e with exp2: -inf exactly where a row sees nothing
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite)
+    assert (lse.cpu().double()[finite] - want_lse[finite]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("techniques", SWITCHES[1:], ids=repr)
+def test_every_switch_in_the_split_kv_kernel(techniques) -> None:
+    from mha.kernels.attention import split_kv_forward
+
+    for case in CASES[1], CASES[3], CASES[4]:
+        q, k, v, settings = _case(case)
+        settings.pop("block_q"), settings.pop("sinks", None)
+        out, lse = split_kv_forward(q, k, v, techniques=techniques, num_splits=3, **settings)
+        want, want_lse = _dense_of(q, k, v, settings)
+        assert (out.cpu().double() - want).abs().max() < 1e-5, case
+
+
+@pytest.mark.skipif(kernels.INTERPRETED is not True, reason="counts the interpreter's calls")
+@pytest.mark.parametrize("case", CASES)
+def test_masks_at_the_edges_change_no_bit_and_mask_only_the_edges(case, monkeypatch) -> None:
+    from mha.kernels import attention
+
+    q, k, v, settings = _case(case)
+    calls = collections.Counter()
+    original = attention._key_tile
+
+    class Counted:  # counts each key tile of each program, masked or not
+        def __getattr__(self, name):
+            return getattr(original, name)
+
+        def __call__(self, *args):
+            calls[bool(args[-2])] += 1
+            return original(*args)
+
+    monkeypatch.setattr(attention, "_key_tile", Counted())
+    first, _ = attention.attention_forward(q, k, v, **settings)
+    every = calls.copy()
+    assert set(every) == {True}  # the first kernel masks every tile
+    calls.clear()
+    edges, _ = attention.attention_forward(q, k, v, techniques=Techniques(edge_masks=True),
+                                           **settings)  # fmt: skip
+    assert torch.equal(first, edges)
+    assert calls[True] + calls[False] == every[True]  # the same tiles, cut differently
+    assert calls[False] == _whole_tiles(q, k, settings)
+
+
+def _whole_tiles(q, k, settings) -> int:
+    """Brute force: key tiles that every (query, key) pair of a query tile keeps, summed over
+    the programs; a tile is 'whole' when no key is past the end, hidden by padding, by the
+    causal mask or by the window, for any row of the query tile."""
+    (batch, heads, t_q, _), t_k = q.shape, k.shape[2]
+    bq, bk = settings["block_q"], settings["block_k"]
+    starts = settings.get("key_start")
+    window, causal = settings["window"], settings["causal"]
+    whole = 0
+    for b in range(batch):
+        start = 0 if starts is None else int(starts[b])
+        for q_first in range(0, t_q, bq):
+            rows = range(q_first, q_first + bq)  # rows past T_q are computed too
+            for k_first in range(0, t_k, bk):
+                ok = all(
+                    c < t_k and c >= start
+                    and (not causal or c <= r + t_k - t_q)
+                    and (window is None or c > r + t_k - t_q - window)
+                    for r in rows
+                    for c in range(k_first, k_first + bk)
+                )  # fmt: skip
+                whole += ok
+    return whole * heads
+
+
+def test_the_ladder_climbs_one_switch_at_a_time() -> None:
+    rungs = [techniques for _, techniques in LADDER]
+    assert rungs[0] == Techniques()  # the book's first kernel
+    for lower, upper in zip(rungs, rungs[1:]):
+        changed = [name for name in vars(upper) if getattr(upper, name) != getattr(lower, name)]
+        assert len(changed) == 1 and getattr(upper, changed[0]) is True
+    # every switch off compiles the first kernel: no constexpr is added
+    assert Techniques().constants() == {}
+    assert Techniques(exp2=True, edge_masks=True).constants() == {"EXP2": True, "EDGE_MASKS": True}
+
+
+def test_techniques_of_the_wrong_type_are_refused_by_name() -> None:
+    q, k, v, settings = _case(CASES[0])
+    with pytest.raises(
+        TypeError, match=r"techniques must be a mha.kernels.Techniques or None, got dict"
+    ):
+        kernels.triton_attention(q, k, v, techniques={"exp2": True})
+    with pytest.raises(TypeError, match="techniques must be"):
+        kernels.triton_split_kv_attention(q[:, :, :1], k, v, techniques="exp2")
+
+
+def test_the_defaults_are_every_switch_off_until_measured() -> None:
+    from mha.kernels.tiles import default_techniques
+
+    for capability in ((8, 0), (8, 9), (9, 0), (10, 0)):
+        assert default_techniques(capability) == Techniques()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rung", [name for name, _ in LADDER])
+def test_16_bit_rungs_within_twice_sdpa_on_the_gpu(rung, dtype) -> None:
+    techniques = dict(LADDER)[rung]
+    for case in CASES[0], CASES[1], CASES[2]:
+        q, k, v, settings = _case(case, dtype=dtype)
+        settings.pop("block_q"), settings.pop("block_k")
+        want, _ = _dense_of(q, k, v, settings)
+        ours = kernels.triton_attention(q, k, v, techniques=techniques, **settings)
+        group = q.shape[1] // k.shape[1]
+        t_q, t_k = q.shape[2], k.shape[2]
+        seen = (
+            torch.arange(t_k, device=DEVICE)[None, :]
+            <= torch.arange(t_q, device=DEVICE)[:, None] + t_k - t_q
+        )
+        mask = seen if settings["causal"] else None
+        if "key_start" in settings:
+            pads = torch.arange(t_k, device=DEVICE)[None, :] >= settings["key_start"][:, None]
+            mask = pads[:, None, None, :] & (True if mask is None else mask)
+        theirs = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask
+        )
+        if "sinks" in settings:  # SDPA has no sinks: its error without them, on the same q, k, v
+            theirs_want, _ = dense(q, k, v, settings["causal"])
+        else:
+            theirs_want = want
+        error = (ours.cpu().double() - want).abs().max()
+        sdpa_error = (theirs.cpu().double().nan_to_num(0) - theirs_want).abs().max()
+        ulp = torch.finfo(dtype).eps * want.abs().max()  # one unit of the output's rounding
+        assert error <= 2 * sdpa_error + ulp, (case, float(error), float(sdpa_error))
+
+
+# (B, H, H_kv, T_q, T_k, d, causal, key starts, window): one query (decoding), T_q = 3 (a
+# tile of 16 rows holds 5 heads' queries and runs on into the next), a group of 8 (MQA)
+PACKED = [
+    (2, 8, 2, 1, 150, 64, True, None, None),
+    (2, 8, 2, 3, 150, 40, True, (7, 64), None),
+    (1, 8, 1, 3, 97, 64, True, None, 20),
+    (2, 4, 4, 2, 70, 32, False, (0, 30), None),
+]
+
+
+@pytest.mark.parametrize("edges", [False, True])
+@pytest.mark.parametrize("case", PACKED)
+def test_packing_a_group_in_the_split_kv_kernel(case, edges, monkeypatch) -> None:
+    from mha.kernels import attention
+
+    b, h, h_kv, t_q, t_k, d, causal, starts, window = case
+    q, k, v, settings = _case((b, h, h_kv, t_q, t_k, d, causal, starts, window, False, 16, 16))
+    settings.pop("block_q")
+    calls = collections.Counter()
+    if kernels.INTERPRETED:
+        original = attention._key_tile
+
+        class Counted:  # key tiles loaded, over every program
+            def __getattr__(self, name):
+                return getattr(original, name)
+
+            def __call__(self, *args):
+                calls["tiles"] += 1
+                return original(*args)
+
+        monkeypatch.setattr(attention, "_key_tile", Counted())
+    want, _ = _dense_of(q, k, v, settings)
+    loads = {}
+    for pack in (False, True):
+        calls.clear()
+        switches = Techniques(edge_masks=edges, pack_group=pack)
+        out, _ = attention.split_kv_forward(q, k, v, techniques=switches, num_splits=2, **settings)
+        assert (out.cpu().double() - want).abs().max() < 1e-5, pack
+        loads[pack] = calls["tiles"]
+    if kernels.INTERPRETED:
+        group = h // h_kv
+        if group * t_q <= 16:  # one tile of rows: each key tile read once per group, not head
+            assert loads[True] * group == loads[False], loads
+        else:  # the group's rows need two tiles: each reads its own keys
+            assert loads[False] / group < loads[True] < loads[False], loads
+
+
+def test_packing_is_refused_by_the_forward_kernel() -> None:
+    q, k, v, _ = _case(CASES[1])
+    with pytest.raises(ValueError, match="pack_group is a switch of the split-KV kernel only"):
+        kernels.triton_attention(q, k, v, techniques=Techniques(pack_group=True))
