@@ -307,6 +307,9 @@ def test_committed_ladder_shows_what_each_technique_changes() -> None:
         assert exp2["FFMA"] > first["FFMA"] and exp2["FMUL"] < first["FMUL"], (first, exp2)
         assert exp2["FADD"] < first["FADD"] and exp2["MUFU.EX2"] == first["MUFU.EX2"]
         assert exp2["instructions"] < first["instructions"]
+        # tl.exp: ex2.approx.f32 after a multiply; tl.exp2: ex2.approx.ftz.f32 (PTX ISA)
+        assert first["ptx_ex2"] == first["MUFU.EX2"] and first["ptx_ex2_ftz"] == 0
+        assert exp2["ptx_ex2_ftz"] == exp2["MUFU.EX2"] and exp2["ptx_ex2"] == 0
         assert edges["MUFU.EX2"] == 2 * exp2["MUFU.EX2"]
         assert edges["tensor_core_instructions"] == 2 * exp2["tensor_core_instructions"]
 

@@ -99,6 +99,12 @@ SWITCHED = ("forward", "split_kv")
 #: (``MUFU.EX2``), the float multiplies and multiply-adds, the selects and
 #: comparisons that masks compile to.
 COUNTED = ("MUFU.EX2", "FMUL", "FFMA", "FADD", "FSEL", "FSETP", "ISETP")
+#: The PTX forms of the exponential: ``tl.exp`` becomes a multiply by
+#: log2 e and ``ex2.approx.f32``; ``tl.exp2`` the flush-to-zero form.
+PTX_EXP2 = {
+    "ptx_ex2": re.compile(r"\bex2\.approx\.f32\b"),
+    "ptx_ex2_ftz": re.compile(r"\bex2\.approx\.ftz\.f32\b"),
+}
 
 
 def example_launches(
@@ -403,7 +409,8 @@ def inspect_ladder(
     """Compile every rung of :data:`mha.kernels.tiles.LADDER` (each
     (kernel, arch, dtype, head_dim, causal) of the kernels with switches)
     and yield its row: :func:`inspect_builds`'s, with the rung's name, its
-    switches and :func:`instruction_counts` of its SASS."""
+    switches, :func:`instruction_counts` of its SASS and the exponentials
+    of its PTX by form (``PTX_EXP2``)."""
     if INTERPRETED is not False:
         raise RuntimeError(
             "the kernels were decorated for Triton's interpreter: inspect in "
@@ -456,6 +463,8 @@ def _inspect_one(
             name for name, on in vars(techniques).items() if on
         ]
         row.update(instruction_counts(sass(compiled.asm["cubin"])))
+        ptx = compiled.asm["ptx"]
+        row.update({k: len(p.findall(ptx)) for k, p in PTX_EXP2.items()})
     if cubin_dir is not None:
         mask = (
             ("causal" if causal else "full")
