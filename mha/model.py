@@ -19,6 +19,8 @@ size, ``V`` vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -205,6 +207,7 @@ class CausalLM(nn.Module):
         top_k: int | None = None,
         top_p: float | None = None,
         generator: torch.Generator | None = None,
+        compile: bool | str | Callable = False,
         **settings,
     ) -> Tensor:
         """Prompt and new tokens, (B, T + new), as transformers' generate.
@@ -219,8 +222,18 @@ class CausalLM(nn.Module):
         at the pads of a left-padded batch (positions count from each row's
         first token). A row that has produced a stop token continues with
         the pad token (or the first stop token); generation stops when every
-        row has, so ``new`` may be less than ``max_new_tokens``."""
+        row has, so ``new`` may be less than ``max_new_tokens``.
+
+        ``compile``: True runs every decoding step after the prompt as one
+        graph of ``torch.compile`` (``fullgraph``, static shapes: the whole
+        static cache, the whole attention mask, the cache's count a
+        tensor), captured as a CUDA graph on a GPU (``mode="reduce-
+        overhead"``; the caches' tensors are marked as static addresses),
+        compiled once per model and shape and reused; a backend name or
+        callable of ``torch.compile`` instead of Inductor. Static cache
+        only."""
         B, T = self._check_generate(input_ids, max_new_tokens, attention_mask)
+        step_graph = self._step_graph(compile, cache)
         chooser = Sampling.resolve(
             self.config,
             settings.pop("generation_config", None),
@@ -242,8 +255,15 @@ class CausalLM(nn.Module):
         pad = eos[0] if pad is None and len(eos) else (pad or 0)
         done = torch.zeros(B, dtype=torch.bool, device=device)
         tokens, new = input_ids, input_ids
+        if step_graph is not None:  # the same tensors every step
+            for c in caches:  # written in place: no copies in the graph
+                for tensor in (c.keys, c.values, c.length):
+                    torch._dynamo.mark_static_address(tensor)
         for step in range(max_new_tokens):
-            logits = self(new, mask[:, : T + step], positions, caches, 1)
+            if step_graph is not None and step > 0:  # every slot's mask
+                logits = step_graph(new, mask, positions, caches, 1)
+            else:
+                logits = self(new, mask[:, : T + step], positions, caches, 1)
             chosen = chooser.choose(logits[:, -1], tokens, step)  # (B,)
             chosen = torch.where(done, pad, chosen)
             done = done | torch.isin(chosen, eos)
@@ -252,6 +272,33 @@ class CausalLM(nn.Module):
                 break
             new, positions = chosen[:, None], positions[:, -1:] + 1
         return tokens
+
+    def _step_graph(self, compile: object, cache: str) -> Callable | None:
+        """The compiled decoding step of ``generate(compile=...)``: None
+        for False; one per backend, kept on the model."""
+        if compile is False:
+            return None
+        if not (compile is True or isinstance(compile, str)) and not (
+            callable(compile)
+        ):
+            raise TypeError(
+                "compile must be a bool, a torch.compile backend's name or "
+                f"a callable backend, got {type(compile).__name__}"
+            )
+        if cache != "static":
+            raise ValueError(
+                f"compile needs cache='static' (the whole cache every step: "
+                f"one shape), got cache={cache!r}"
+            )
+        graphs = self.__dict__.setdefault("_step_graphs", {})
+        if compile not in graphs:
+            options: dict = {"fullgraph": True, "dynamic": False}
+            if compile is not True:
+                options["backend"] = compile
+            elif self.lm_head.weight.device.type == "cuda":
+                options["mode"] = "reduce-overhead"  # a CUDA graph
+            graphs[compile] = torch.compile(self.forward, **options)
+        return graphs[compile]
 
     def _check_forward(
         self,

@@ -162,3 +162,48 @@ def test_a_compiled_step_with_a_full_cache_fails_loudly() -> None:
             step(x[:, t : t + 1])
         with pytest.raises(RuntimeError, match="max_len = 3"):
             step(x[:, 3:4])
+
+
+def _small_model():
+    from mha.model import CausalLM
+    from transformers import LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=61,
+        eos_token_id=None,
+    )  # fmt: skip  (no stop token: every step runs)
+    return CausalLM.from_config(config, dtype=torch.float64).eval()
+
+
+def test_generate_compiles_one_graph_for_every_decoding_step() -> None:
+    # generate(compile=...): the prompt eagerly, then every step through one graph (the whole
+    # static cache and the whole mask each step, the count a tensor); kept on the model and
+    # reused by the next call of the same shapes
+    model = _small_model()
+    ids = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(1))
+    counter = CompileCounter()
+    tokens = model.generate(ids, 8, compile=counter)
+    assert tokens.shape == (2, 5 + 8)
+    assert torch.equal(tokens, model.generate(ids, 8))  # greedy: the eager steps' tokens
+    assert counter.frame_count == 1
+    assert torch.equal(model.generate(ids, 8, compile=counter), tokens)
+    assert counter.frame_count == 1  # reused, not compiled again
+    mask = torch.ones(2, 5, dtype=torch.int64)
+    mask[0, :2] = 0  # a left-padded row: the mask of every slot goes to the graph
+    padded = model.generate(ids, 8, attention_mask=mask, compile=counter)
+    assert torch.equal(padded, model.generate(ids, 8, attention_mask=mask))
+
+
+def test_generate_compile_refuses_what_it_cannot_do() -> None:
+    model = _small_model()
+    ids = torch.zeros(1, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="compile needs cache='static'"):
+        model.generate(ids, 2, cache="paged", compile=True)
+    with pytest.raises(TypeError, match="compile must be a bool, a torch.compile backend's name"):
+        model.generate(ids, 2, compile=3)

@@ -79,7 +79,16 @@ def test_the_decode_part(toy) -> None:
 def test_the_model_part(toy) -> None:
     rows = gpu.part_model(600.0, toy)["rows"]
     assert set(rows) == {"transformers", "sdpa_static", "eager_static", "triton_static",
-                         "flex_static", "sdpa_paged", "triton_paged"}  # fmt: skip
+                         "flex_static", "sdpa_paged", "triton_paged",
+                         "sdpa_static_compiled"}  # fmt: skip
+    compiled = rows.pop("sdpa_static_compiled")
+    assert compiled["first_token_differing"] is None, compiled  # every step one graph
+    # every weight once (the tied embeddings once), the whole static cache: 2 layers x 12
+    # slots x 2 kv heads x 16 dims x 4 bytes, twice (keys and values)
+    weights = sum(p.numel() for p in set(gpu._ours(*gpu._one_b(torch.float32), "sdpa")
+                                         .parameters())) * 4  # fmt: skip
+    assert compiled["bytes_per_token"] == weights + 2 * 2 * 12 * 2 * 16 * 4
+    assert compiled["achieved_gbs"] == compiled["bytes_per_token"] * 3 / compiled["seconds"] / 1e9
     for name, row in rows.items():
         assert "seconds" in row, (name, row)
         if name != "transformers":  # float32, greedy: the same tokens as transformers

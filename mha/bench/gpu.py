@@ -764,6 +764,13 @@ def part_model(budget: float, args) -> dict:
                 rows[name] = {
                     "status": f"{type(error).__name__}: {str(error)[:300]}"
                 }
+        if time.monotonic() > deadline:
+            rows["sdpa_static_compiled"] = {"status": "skipped: time"}
+        else:
+            model.set_attention_backend("sdpa")
+            rows["sdpa_static_compiled"] = _compiled_row(
+                model, ids, new, reference, rows["transformers"]["seconds"]
+            )
     _free()
     return {
         "model": "Llama-3.2-1B shape, random weights",
@@ -772,6 +779,45 @@ def part_model(budget: float, args) -> dict:
         "prompt": prompt,
         "new_tokens": new,
         "rows": rows,
+    }
+
+
+def _compiled_row(model, ids, new, reference, theirs: float) -> dict:
+    """``generate(compile=True)``: every decoding step one graph, a CUDA
+    graph on a GPU. Its time beside transformers', whether its tokens are
+    theirs, the CUDA graphs Inductor skipped (and why), and the bytes a
+    token reads (every weight once, tied ones once; the whole static cache,
+    which each step's graph attends over) per second of generate, prompt
+    included, as gpt-fast reports its bandwidth."""
+    from torch._dynamo.utils import counters
+
+    try:
+        counters["inductor"].clear()
+        seconds = _seconds(lambda: model.generate(ids, new, compile=True))
+        tokens = model.generate(ids, new, compile=True)
+    except Exception as error:  # noqa: BLE001
+        return {"status": f"{type(error).__name__}: {str(error)[:300]}"}
+    weights = {
+        p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()
+    }
+    attn = model.model.layers[0].self_attn
+    slots = ids.shape[0] * (ids.shape[1] + new)  # the static cache's
+    per_slot = attn.num_kv_heads * attn.head_dim
+    size = model.lm_head.weight.element_size()
+    cache = 2 * len(model.model.layers) * slots * per_slot * size
+    per_token = sum(weights.values()) + cache
+    return {
+        "seconds": seconds,
+        "vs_transformers": seconds / theirs,
+        "first_token_differing": _first_difference(
+            tokens, reference, ids.shape[1]
+        ),
+        "cudagraph_counters": {
+            k: v for k, v in counters["inductor"].items() if "cudagraph" in k
+        },
+        "bytes_per_token": per_token,
+        "achieved_gbs": per_token * new / seconds / 1e9,
+        "copy_ceiling_gbs": _copy_ceiling(),
     }
 
 
