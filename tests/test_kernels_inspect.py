@@ -303,7 +303,7 @@ def test_committed_ladder_shows_what_each_technique_changes() -> None:
         assert row["techniques"] == [
             name for name, on in vars(dict(LADDER)[rung]).items() if on
         ], row  # fmt: skip
-        first, exp2, edges = (by[kernel, d, causal, name] for name in rungs)
+        first, exp2, edges, tma = (by[kernel, d, causal, name] for name in rungs)
         assert exp2["FFMA"] > first["FFMA"] and exp2["FMUL"] < first["FMUL"], (first, exp2)
         assert exp2["FADD"] < first["FADD"] and exp2["MUFU.EX2"] == first["MUFU.EX2"]
         assert exp2["instructions"] < first["instructions"]
@@ -312,6 +312,9 @@ def test_committed_ladder_shows_what_each_technique_changes() -> None:
         assert exp2["ptx_ex2_ftz"] == exp2["MUFU.EX2"] and exp2["ptx_ex2"] == 0
         assert edges["MUFU.EX2"] == 2 * exp2["MUFU.EX2"]
         assert edges["tensor_core_instructions"] == 2 * exp2["tensor_core_instructions"]
+        # TMA: the unmasked tiles' copies made by the copy engine, not by the threads
+        assert edges["UTMALDG"] == 0 < edges["LDGSTS"] and tma["UTMALDG"] > 0 == tma["LDGSTS"]
+        assert tma["MUFU.EX2"] == edges["MUFU.EX2"]
 
 
 def test_the_ladder_option_compiles_each_rung() -> None:
@@ -320,7 +323,9 @@ def test_the_ladder_option_compiles_each_rung() -> None:
     assert completed.returncode == 0, completed.stderr
     rows = [json.loads(line) for line in completed.stdout.splitlines()]
     assert [row["rung"] for row in rows] == ["first kernel", "exp2, scale folded",
-                                             "masks at the edges only"]  # fmt: skip
+                                             "masks at the edges only", "TMA loads"]  # fmt: skip
     assert all(row["arch"] == "sm_90" and row["dtype"] == "bfloat16" for row in rows)
-    assert [row["techniques"] for row in rows] == [[], ["exp2"], ["exp2", "edge_masks"]]
+    assert [row["techniques"] for row in rows] == [
+        [], ["exp2"], ["exp2", "edge_masks"], ["exp2", "edge_masks", "tma"]
+    ]  # fmt: skip
     assert all(row["instructions"] > row["MUFU.EX2"] > 0 for row in rows)

@@ -178,11 +178,18 @@ def part_ladder(budget: float, args) -> dict:
                     q, k, v, causal, tiles, techniques
                 ),
             )  # fmt: skip
-    top_rung, top = LADDER[-1]
-    for t, d, causal in shapes:  # the tiles, at the top rung
+    for t, d, causal in shapes:  # the tiles, at the top rung that ran
         q, k, v, exact = inputs(t, d, causal)
         shape = {"T": t, "d": d, "causal": causal, "B": q.shape[0],
                  "H": q.shape[1]}  # fmt: skip
+        ran = {
+            row["rung"] for row in rows
+            if row.get("status") == "ok" and row["impl"] == "triton"
+            and (row["T"], row["d"], row["causal"]) == (t, d, causal)
+        }  # fmt: skip
+        top_rung, top = next(
+            (rung for rung in reversed(LADDER) if rung[0] in ran), LADDER[-1]
+        )
         for tiles in TILE_CANDIDATES.get(d, [])[1:]:
             measure(
                 {**shape, "impl": "triton", "rung": top_rung,
@@ -230,8 +237,12 @@ def ladder_ratios(rows: list[dict]) -> list[dict]:
 def best_tiles(rows: list[dict]) -> list[dict]:
     """Per (d, causal), the top rung's tiles with the least total time over
     the lengths where every candidate was timed, and its speed-up over the
-    default tiles (the first candidate)."""
-    top = LADDER[-1][0]
+    default tiles (the first candidate). The top rung: the highest that
+    was timed with more than its default tiles."""
+    tried = [r.get("rung") for r in rows if r.get("impl") == "triton"]
+    tiled = [rung for rung, _ in LADDER if tried.count(rung) > tried.count(
+        LADDER[0][0])]  # fmt: skip
+    top = tiled[-1] if tiled else LADDER[-1][0]
     totals: dict[tuple, dict[tuple, float]] = {}
     lengths: dict[tuple, dict[tuple, set]] = {}
     for row in rows:

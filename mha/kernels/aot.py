@@ -97,8 +97,13 @@ SWITCHED = ("forward", "split_kv")
 
 #: The instructions a rung of the ladder is read by: the exponentials
 #: (``MUFU.EX2``), the float multiplies and multiply-adds, the selects and
-#: comparisons that masks compile to.
-COUNTED = ("MUFU.EX2", "FMUL", "FFMA", "FADD", "FSEL", "FSETP", "ISETP")
+#: comparisons that masks compile to, and the two kinds of copy into shared
+#: memory.
+COUNTED = (
+    "MUFU.EX2", "FMUL", "FFMA", "FADD", "FSEL", "FSETP", "ISETP",
+    "LDGSTS",  # a thread's asynchronous copy, global to shared memory
+    "UTMALDG",  # a tile's copy by the copy engine (TMA), sm_90 on
+)  # fmt: skip
 #: The PTX forms of the exponential: ``tl.exp`` becomes a multiply by
 #: log2 e and ``ex2.approx.f32``; ``tl.exp2`` the flush-to-zero form.
 PTX_EXP2 = {

@@ -134,7 +134,7 @@ def _attend(
     PRECISION: tl.constexpr, HAS_KEY_START: tl.constexpr,
     window, HAS_WINDOW: tl.constexpr,
     q_first=0, q_last=0, EXP2: tl.constexpr = False,
-    EDGE_MASKS: tl.constexpr = False,
+    EDGE_MASKS: tl.constexpr = False, TMA: tl.constexpr = False,
 ):  # fmt: skip
     """The online softmax of one query tile over keys start..stop-1.
 
@@ -150,7 +150,10 @@ def _attend(
     whole run without masks, and only those at the edges (padding, the
     window's start, the causal diagonal, the ragged tail) are masked.
     ``start`` is a multiple of ``BLOCK_K``; ``q_first`` and ``q_last`` are
-    the earliest and latest query of the tile's rows.
+    the earliest and latest query of the tile's rows. With ``TMA`` too,
+    the unmasked tiles are loaded through tensor descriptors (Hopper's
+    copy engine; the last stride 1, the others and the base 16-byte
+    aligned: the caller checks).
     """
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)  # running maximum
     ell = tl.full([BLOCK_Q], 0.0, tl.float32)  # running sum of exp(s - m)
@@ -177,26 +180,36 @@ def _attend(
         # the edges hold a tile or two: not pipelined (num_stages=1), which
         # spares the registers of a second pipeline (sm_90, d_k 64: 255
         # and spilling with it, 238 without)
+        k_load, v_load = k_head, v_head  # the unmasked tiles': pointers,
+        if TMA:  # or tensor descriptors (dims past HEAD_DIM read 0)
+            k_load = tl.make_tensor_descriptor(
+                k_head, shape=[stop, HEAD_DIM], strides=[stride_kt, 1],
+                block_shape=[BLOCK_K, PADDED_DIM],
+            )  # fmt: skip
+            v_load = tl.make_tensor_descriptor(
+                v_head, shape=[stop, HEAD_DIM], strides=[stride_vt, 1],
+                block_shape=[BLOCK_K, PADDED_DIM],
+            )  # fmt: skip
         for first in tl.range(start, lo, BLOCK_K, num_stages=1):
             m, ell, acc = _key_tile(
                 m, ell, acc, q, k_head, v_head, rows, dims, first, stop,
                 offset, key_start, scale, stride_kt, stride_kd, stride_vt,
                 stride_vd, CAUSAL, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
-                HAS_KEY_START, window, HAS_WINDOW, True, EXP2,
+                HAS_KEY_START, window, HAS_WINDOW, True, EXP2, False,
             )  # fmt: skip
         for first in range(lo, hi, BLOCK_K):
             m, ell, acc = _key_tile(
-                m, ell, acc, q, k_head, v_head, rows, dims, first, stop,
+                m, ell, acc, q, k_load, v_load, rows, dims, first, stop,
                 offset, key_start, scale, stride_kt, stride_kd, stride_vt,
                 stride_vd, CAUSAL, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
-                HAS_KEY_START, window, HAS_WINDOW, False, EXP2,
+                HAS_KEY_START, window, HAS_WINDOW, False, EXP2, TMA,
             )  # fmt: skip
         for first in tl.range(hi, stop, BLOCK_K, num_stages=1):
             m, ell, acc = _key_tile(
                 m, ell, acc, q, k_head, v_head, rows, dims, first, stop,
                 offset, key_start, scale, stride_kt, stride_kd, stride_vt,
                 stride_vd, CAUSAL, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
-                HAS_KEY_START, window, HAS_WINDOW, True, EXP2,
+                HAS_KEY_START, window, HAS_WINDOW, True, EXP2, False,
             )  # fmt: skip
     else:
         for first in range(start, stop, BLOCK_K):
@@ -204,7 +217,7 @@ def _attend(
                 m, ell, acc, q, k_head, v_head, rows, dims, first, stop,
                 offset, key_start, scale, stride_kt, stride_kd, stride_vt,
                 stride_vd, CAUSAL, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
-                HAS_KEY_START, window, HAS_WINDOW, True, EXP2,
+                HAS_KEY_START, window, HAS_WINDOW, True, EXP2, False,
             )  # fmt: skip
     return m, ell, acc
 
@@ -216,14 +229,16 @@ def _key_tile(
     CAUSAL: tl.constexpr, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr,
     PADDED_DIM: tl.constexpr, PRECISION: tl.constexpr,
     HAS_KEY_START: tl.constexpr, window, HAS_WINDOW: tl.constexpr,
-    MASKED: tl.constexpr, EXP2: tl.constexpr,
+    MASKED: tl.constexpr, EXP2: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """The key tile first..first + BLOCK_K - 1 into the running ``m``,
     ``ell``, ``acc``; without ``MASKED`` every row sees every key of the
-    tile (nothing masked but the head size's padding)."""
+    tile (nothing masked but the head size's padding). With ``TMA``
+    ``k_head`` and ``v_head`` are tensor descriptors (unmasked tiles)."""
     cols = first + tl.arange(0, BLOCK_K)  # key positions
-    k_tile = _tile(k_head, cols, dims, stride_kt, stride_kd)
-    v_tile = _tile(v_head, cols, dims, stride_vt, stride_vd)
+    if not TMA:
+        k_tile = _tile(k_head, cols, dims, stride_kt, stride_kd)
+        v_tile = _tile(v_head, cols, dims, stride_vt, stride_vd)
     if MASKED:
         visible = cols < stop  # (B_k,)
         if HAS_KEY_START:  # left padding: keys before key_start hidden
@@ -241,7 +256,10 @@ def _key_tile(
             keep = keep & (cols[None, :] > rows[:, None] + offset - window)
         scores = tl.where(keep, scores, float("-inf"))  # (B_q, B_k)
     else:
-        if HEAD_DIM == PADDED_DIM:
+        if TMA:  # the copy engine: a tile per descriptor, padding dims 0
+            k = k_head.load([first, 0])
+            v = v_head.load([first, 0])
+        elif HEAD_DIM == PADDED_DIM:
             k = tl.load(k_tile)
             v = tl.load(v_tile)
         else:
@@ -326,6 +344,7 @@ def _forward_kernel(
     Sinks=None, HAS_SINKS: tl.constexpr = False,  # (H,) learned sink logits
     window=None, HAS_WINDOW: tl.constexpr = False,  # a positive int
     EXP2: tl.constexpr = False, EDGE_MASKS: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):  # fmt: skip
     """One program: the output rows of one query tile of one (batch, head)."""
     q_block, batch_head = tl.program_id(0), tl.program_id(1)
@@ -355,7 +374,7 @@ def _forward_kernel(
         stride_kt, stride_kd, stride_vt, stride_vd,
         CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
         HAS_KEY_START, window, HAS_WINDOW, q_block * BLOCK_Q,
-        q_block * BLOCK_Q + BLOCK_Q - 1, EXP2, EDGE_MASKS,
+        q_block * BLOCK_Q + BLOCK_Q - 1, EXP2, EDGE_MASKS, TMA,
     )  # fmt: skip
     if HAS_SINKS:
         sink = tl.load(Sinks + h).to(tl.float32)
@@ -379,7 +398,7 @@ def _split_kv_kernel(
     PRECISION: tl.constexpr, HAS_KEY_START: tl.constexpr,
     window=None, HAS_WINDOW: tl.constexpr = False,  # a positive int
     EXP2: tl.constexpr = False, EDGE_MASKS: tl.constexpr = False,
-    PACK_GROUP: tl.constexpr = False,
+    PACK_GROUP: tl.constexpr = False, TMA: tl.constexpr = False,
 ):  # fmt: skip
     """One program: one query tile against one split of the keys.
 
@@ -447,7 +466,7 @@ def _split_kv_kernel(
         stride_kt, stride_kd, stride_vt, stride_vd,
         CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
         HAS_KEY_START, window, HAS_WINDOW, q_first, q_last, EXP2,
-        EDGE_MASKS,
+        EDGE_MASKS, TMA,
     )  # fmt: skip
     out, logsumexp = _finish(m, ell, acc, EXP2)
     if PACK_GROUP:  # each row to its own head's partial[b, head, split]
@@ -765,7 +784,7 @@ def attention_forward(
     if sinks is not None:
         sinks = _check_sinks(sinks, q).float().contiguous()
     tiles = _tiles(q, "forward", block_q, block_k, None)
-    techniques = _techniques(q, techniques)
+    techniques = _techniques(q, techniques, k, v)
     if techniques.pack_group:
         raise ValueError(
             "techniques.pack_group is a switch of the split-KV kernel only "
@@ -845,7 +864,7 @@ def split_kv_forward(
     key_start = check_key_start(key_start, q)
     window = check_window(window)
     tiles = _tiles(q, "split_kv", None, block_k, None)
-    techniques = _techniques(q, techniques)
+    techniques = _techniques(q, techniques, k, v)
     (batch, heads, t_q, d_k), t_k = q.shape, k.shape[2]
     if num_splits is None:
         programs = batch * heads * triton.cdiv(t_q, tiles.block_q)
@@ -886,12 +905,45 @@ def merge_partials(partial: Tensor, partial_lse: Tensor):
     return out, top[:, :, 0] + torch.log(total)
 
 
-def _techniques(q: Tensor, techniques: object) -> Techniques:
-    if check_techniques(techniques) is not None:
-        return techniques
-    if q.device.type == "cuda":
-        return default_techniques(torch.cuda.get_device_capability(q.device))
-    return default_techniques()
+def _techniques(q: Tensor, techniques: object, k=None, v=None) -> Techniques:
+    """The switches asked for, or the defaults; with ``tma``, the layout
+    checked and, on a GPU, Triton given the scratch memory in which a
+    program writes its tensor descriptors."""
+    if check_techniques(techniques) is None:
+        capability = (
+            torch.cuda.get_device_capability(q.device)
+            if q.device.type == "cuda"
+            else (9, 0)
+        )
+        techniques = default_techniques(capability)
+    if techniques.tma:
+        _check_tma_layout(k, v)
+        if not INTERPRETED:
+            triton.set_allocator(_scratch)
+    return techniques
+
+
+def _check_tma_layout(k: Tensor, v: Tensor) -> None:
+    """A tensor descriptor's rules: the last stride 1, the other strides
+    and each head's first element at multiples of 16 bytes."""
+    for name, t in (("k", k), ("v", v)):
+        size = t.element_size()
+        if t.stride(-1) != 1 or any(
+            stride * size % 16 for stride in t.stride()[:-1]
+        ) or t.data_ptr() % 16:  # fmt: skip
+            raise ValueError(
+                f"techniques.tma loads {name} through tensor descriptors: its "
+                "last stride must be 1 and its other strides and address "
+                f"multiples of 16 bytes, got strides {tuple(t.stride())} of "
+                f"{size}-byte elements (d_k a multiple of {16 // size} and a "
+                "contiguous last dimension make them so)"
+            )
+
+
+def _scratch(size: int, alignment: int, stream) -> Tensor:
+    """Global memory for the tensor descriptors programs create."""
+    del alignment, stream  # torch's allocations are 256-byte aligned
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _like(t: Tensor) -> dict:

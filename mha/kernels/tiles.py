@@ -70,6 +70,10 @@ class Techniques:
       the tiles at the edges are masked (padding, the start of a window,
       the causal diagonal, the ragged tail) and every tile that all the
       query tile's rows see whole runs with no mask and unmasked loads.
+    * ``tma`` (with ``edge_masks``): the unmasked tiles loaded through
+      tensor descriptors, by the copy engine (TMA) of Hopper and later GPUs,
+      not by the threads' address arithmetic; the last stride of k and v
+      must be 1 and the others multiples of 16 bytes.
     * ``pack_group`` (``split_kv`` only): a tile's rows are the query heads
       of one GQA group times the queries, as the paged kernel's always are,
       so that each key tile is read once per group, not once per head.
@@ -77,7 +81,21 @@ class Techniques:
 
     exp2: bool = False
     edge_masks: bool = False
+    tma: bool = False
     pack_group: bool = False
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"Techniques.{name} must be a bool, got "
+                    f"{type(value).__name__} {value!r}"
+                )
+        if self.tma and not self.edge_masks:
+            raise ValueError(
+                "Techniques(tma=True) loads the tiles that edge masks leave "
+                "unmasked: it needs edge_masks=True"
+            )
 
     def constants(self) -> dict:
         """The kernels' constexprs: only those switched on, so that a
@@ -88,6 +106,7 @@ class Techniques:
                 ("PACK_GROUP", self.pack_group),
                 ("EXP2", self.exp2),
                 ("EDGE_MASKS", self.edge_masks),
+                ("TMA", self.tma),
             )
             if on
         }
@@ -100,6 +119,7 @@ LADDER = (
     ("first kernel", Techniques()),
     ("exp2, scale folded", Techniques(exp2=True)),
     ("masks at the edges only", Techniques(exp2=True, edge_masks=True)),
+    ("TMA loads", Techniques(exp2=True, edge_masks=True, tma=True)),
 )
 
 
