@@ -126,10 +126,13 @@ def read_notebook(page, base: str, token: str, path: Path) -> dict:
     )
     page.call("Page.navigate", url=f"{base}/lab/tree/{relative}?token={token}&reset")
     expected = sum(c["cell_type"] == "markdown" for c in json.loads(path.read_text())["cells"])
-    deadline, last, seen = time.monotonic() + 90, None, None
+    deadline, last, seen, same = time.monotonic() + 90, None, None, 0
     while time.monotonic() < deadline:
         seen = page.evaluate(READ_PAGE)
-        settled = seen["cells"] and seen["rendered"] >= seen["cells"] // 2 and seen == last
+        same = same + 1 if seen == last else 0
+        # unchanged over four reads (1.6 s): a long notebook on a loaded machine can pause
+        # between cells for longer than one read's interval
+        settled = seen["cells"] and seen["rendered"] >= seen["cells"] // 2 and same >= 4
         if settled and seen["cells"] >= min(expected, 1):
             return seen
         last = seen
