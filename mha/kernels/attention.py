@@ -664,6 +664,9 @@ def _constants(
         "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
         "num_warps": tiles.num_warps,
         "num_stages": tiles.num_stages,
+        # a * b + c as one multiply-add (Triton's default until 3.10, whose
+        # default is off): the exp2 switch's folded scale needs it
+        "enable_fp_fusion": True,
     }
 
 

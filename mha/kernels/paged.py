@@ -172,6 +172,7 @@ def paged_launch(
         "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
         "num_warps": tiles.num_warps,
         "num_stages": tiles.num_stages,
+        "enable_fp_fusion": True,  # as the dense kernels (attention.py)
     }
     if key_start is not None:
         constants.update(KeyStart=key_start, HAS_KEY_START=True)

@@ -58,7 +58,13 @@ __all__ = [
 ]
 
 # Launch options a kernel call takes besides its parameters.
-OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+OPTIONS = (
+    "num_warps",
+    "num_stages",
+    "num_ctas",
+    "maxnreg",
+    "enable_fp_fusion",
+)
 # The constexpr names the tile sizes go by (ours; Triton's tutorials').
 TILE_NAMES = {
     "block_q": ("BLOCK_Q", "BLOCK_M"),
