@@ -593,15 +593,14 @@ def _decode_splits(q, k, waves: int) -> int:
     """Key splits that make ``waves`` programs per multiprocessor for a
     decoding step whose rows pack a GQA group (split-KV packed, paged)."""
     from ..kernels.attention import multiprocessors
-    from ..kernels.tiles import default_num_splits, default_tiles
+    from ..kernels.tiles import (
+        capability_of,
+        default_num_splits,
+        default_tiles,
+    )
 
     (batch, heads, t_q, d), (kv_heads, t_k) = q.shape, k.shape[1:3]
-    capability = (
-        torch.cuda.get_device_capability(q.device)
-        if q.device.type == "cuda"
-        else (9, 0)
-    )
-    tiles = default_tiles("split_kv", d, q.dtype, capability)
+    tiles = default_tiles("split_kv", d, q.dtype, capability_of(q.device))
     rows = -(-(heads // kv_heads) * t_q // tiles.block_q)
     return default_num_splits(
         batch * kv_heads * rows,

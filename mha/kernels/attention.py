@@ -83,6 +83,7 @@ from .tiles import (
     KERNELS,
     Techniques,
     Tiles,
+    capability_of,
     check_techniques,
     default_num_splits,
     default_techniques,
@@ -672,11 +673,7 @@ def _constants(
 
 def _tiles(q, kernel, block_q, block_k, capability) -> Tiles:
     if capability is None:
-        capability = (
-            torch.cuda.get_device_capability(q.device)
-            if q.device.type == "cuda"
-            else (9, 0)  # the interpreter: any tiles are right
-        )
+        capability = capability_of(q.device)
     tiles = default_tiles(kernel, q.shape[-1], q.dtype, capability)
     return replace(
         tiles,
@@ -913,12 +910,7 @@ def _techniques(q: Tensor, techniques: object, k=None, v=None) -> Techniques:
     checked and, on a GPU, Triton given the scratch memory in which a
     program writes its tensor descriptors."""
     if check_techniques(techniques) is None:
-        capability = (
-            torch.cuda.get_device_capability(q.device)
-            if q.device.type == "cuda"
-            else (9, 0)
-        )
-        techniques = default_techniques(capability)
+        techniques = default_techniques(capability_of(q.device))
     if techniques.tma:
         _check_tma_layout(k, v)
         if not INTERPRETED:

@@ -54,6 +54,7 @@ from .attention import (
 from .paged_torch import check_paged_inputs
 from .tiles import (
     Tiles,
+    capability_of,
     default_num_splits,
     default_tiles,
     padded_head_dim,
@@ -206,12 +207,7 @@ def paged_forward(
     _check_backend(q)
     (batch, heads, t_q, d), kv_heads = q.shape, k_pool.shape[2]
     group = heads // kv_heads
-    capability = (
-        torch.cuda.get_device_capability(q.device)
-        if q.device.type == "cuda"
-        else (9, 0)
-    )
-    tiles: Tiles = default_tiles("paged", d, q.dtype, capability)
+    tiles: Tiles = default_tiles("paged", d, q.dtype, capability_of(q.device))
     longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     if num_splits is None:
         programs = batch * kv_heads * triton.cdiv(group * t_q, tiles.block_q)

@@ -20,6 +20,7 @@ __all__ = [
     "Techniques",
     "LADDER",
     "default_techniques",
+    "capability_of",
     "check_techniques",
     "KERNELS",
     "default_tiles",
@@ -234,6 +235,15 @@ def default_tiles(
     size = torch.empty((), dtype=dtype).element_size()
     dim = max(64, padded_head_dim(head_dim))  # d_k 16, 32: d_k 64's tiles
     return _TILES[kernel, arch, min(size, 4), dim]
+
+
+def capability_of(device: torch.device) -> tuple[int, int]:
+    """The compute capability the kernels are launched for on ``device``:
+    a CUDA device's own, else (9, 0) (the interpreter: any tiles are
+    right)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)
+    return (9, 0)
 
 
 def padded_head_dim(head_dim: int) -> int:
