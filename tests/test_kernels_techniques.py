@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -33,7 +34,10 @@ SWITCHES = [
 SWITCHES += [
     Techniques(edge_masks=True, tma=True),
     Techniques(exp2=True, edge_masks=True, tma=True),
+    Techniques(costliest_first=True),
+    LADDER[-1][1],  # every switch of the forward kernel, persistent included
 ]
+SPLIT_KV_SWITCHES = [t for t in SWITCHES if t.runs_in("split_kv")]
 
 # (B, H, H_kv, T_q, T_k, d, causal, key starts, window, sinks, block_q, block_k): ragged tails,
 # T_q < T_k and T_q > T_k with causal masks, GQA, odd head sizes, left padding, windows, sinks
@@ -115,7 +119,7 @@ def test_every_switch_equals_the_dense_form(case, techniques) -> None:
     assert (lse.cpu().double()[finite] - want_lse[finite]).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("techniques", SWITCHES[1:], ids=repr)
+@pytest.mark.parametrize("techniques", SPLIT_KV_SWITCHES[1:], ids=repr)
 def test_every_switch_in_the_split_kv_kernel(techniques) -> None:
     from mha.kernels.attention import split_kv_forward
 
@@ -317,3 +321,133 @@ def test_packing_is_refused_by_the_forward_kernel() -> None:
     q, k, v, _ = _case(CASES[1])
     with pytest.raises(ValueError, match="pack_group is a switch of the split-KV kernel only"):
         kernels.triton_attention(q, k, v, techniques=Techniques(pack_group=True))
+
+
+def _snake_deal(q_blocks: int, batch_heads: int, programs: int) -> dict[int, list]:
+    """Written out: every (query tile, b * H + h) item, the last query tiles first, laid in
+    rows of `programs` seats; even rows read left to right, odd rows right to left."""
+    order = [(qb, bh) for qb in reversed(range(q_blocks)) for bh in range(batch_heads)]
+    dealt = collections.defaultdict(list)
+    for deal, first in enumerate(range(0, len(order), programs)):
+        row = order[first : first + programs]
+        row += [None] * (programs - len(row))  # a short last round: empty seats at its end
+        for program, item in enumerate(row if deal % 2 == 0 else row[::-1]):
+            if item is not None:
+                dealt[program].append(item)
+    return dealt
+
+
+def test_persistent_items_deal_every_item_once_in_snake_order() -> None:
+    from mha.kernels.tiles import persistent_items
+
+    for q_blocks, batch_heads, programs in itertools.product((1, 3, 8), (1, 5, 16), (1, 2, 7)):
+        want = _snake_deal(q_blocks, batch_heads, programs)
+        got = {p: persistent_items(p, programs, q_blocks, batch_heads) for p in range(programs)}
+        assert {p: items for p, items in got.items() if items} == want
+    # 2 programs of 4 warps, or 1 of 8, fit one multiprocessor at 255 registers a thread
+    from mha.kernels.tiles import persistent_programs
+
+    assert [persistent_programs(132, w) for w in (2, 4, 8, 16)] == [528, 264, 132, 132]
+
+
+def test_a_persistent_deal_is_balanced() -> None:
+    # Key tiles each program loads in a causal pass (tiles 128 x 64; B T = 16k, 16 heads, as
+    # FlashAttention's benchmark), counted here item by item: within one costliest item of the
+    # mean, the bound a deal in order of cost keeps
+    from mha.kernels.tiles import persistent_items, persistent_programs
+
+    programs = persistent_programs(132, 4)
+    for t in (1024, 4096, 16384):
+        q_blocks, batch_heads = t // 128, 16 * (16384 // t)
+        cost = [math.ceil((qb + 1) * 128 / 64) for qb in range(q_blocks)]
+        loads = [sum(cost[qb] for qb, _ in persistent_items(p, programs, q_blocks, batch_heads))
+                 for p in range(programs)]  # fmt: skip
+        mean = sum(cost) * batch_heads / programs
+        assert sum(loads) == sum(cost) * batch_heads
+        assert max(loads) - min(loads) <= max(cost) and max(loads) <= mean + max(cost)
+
+
+@pytest.mark.skipif(kernels.INTERPRETED is not True, reason="reads the interpreter's grid")
+@pytest.mark.parametrize("case", CASES)
+def test_costliest_first_and_persistent_change_no_bit_and_follow_their_schedule(
+    case, monkeypatch
+) -> None:
+    from mha.kernels import attention
+    from mha.kernels.tiles import default_tiles, persistent_programs
+    from triton.runtime.interpreter import interpreter_builder
+
+    q, k, v, settings = _case(case)
+    want = attention.attention_forward(q, k, v, **settings)
+    calls = []  # (program's grid index, query tile, b * H + h) of every item, in order
+    tiles = collections.Counter()  # key tiles per item
+    original_item, original_tile = attention._forward_tile, attention._key_tile
+
+    def value(x):
+        return int(x.handle.data.item()) if hasattr(x, "handle") else int(x)
+
+    class Item:
+        def __getattr__(self, name):
+            return getattr(original_item, name)
+
+        def __call__(self, q_block, batch_head, *args):
+            calls.append((interpreter_builder.grid_idx, (value(q_block), value(batch_head))))
+            return original_item(q_block, batch_head, *args)
+
+    class Tile:
+        def __getattr__(self, name):
+            return getattr(original_tile, name)
+
+        def __call__(self, *args):
+            tiles[calls[-1][1]] += 1
+            return original_tile(*args)
+
+    monkeypatch.setattr(attention, "_forward_tile", Item())
+    monkeypatch.setattr(attention, "_key_tile", Tile())
+    monkeypatch.setattr(attention, "_multiprocessors", lambda device: 3)
+    (batch, heads, t_q, _), bq = q.shape, settings["block_q"]
+    q_blocks, batch_heads = -(-t_q // bq), batch * heads
+    every = {(qb, bh) for qb in range(q_blocks) for bh in range(batch_heads)}
+
+    got = attention.attention_forward(
+        q, k, v, techniques=Techniques(costliest_first=True), **settings
+    )
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    # the grid is (b * H + h, query tile), the last tile first: the GPU starts programs in
+    # the order of their linear index x + y * grid_x
+    assert sorted(item for _, item in calls) == sorted(every)
+    launched = sorted(calls, key=lambda c: c[0][0] + c[0][1] * batch_heads)
+    assert [item for _, item in launched] == [
+        (qb, bh) for qb in reversed(range(q_blocks)) for bh in range(batch_heads)
+    ]
+    if settings["causal"] and settings.get("key_start") is None and settings["window"] is None:
+        costs = [tiles[item] for _, item in launched]
+        assert costs == sorted(costs, reverse=True)  # the longest programs start first
+
+    # the top rung (TMA loads where a descriptor can load these rows), then persistent: the
+    # same bits as the rung below it
+    top = LADDER[-1][1]
+    if q.shape[-1] * q.element_size() % 16:
+        top = replace(top, tma=False)
+    want = attention.attention_forward(q, k, v, techniques=replace(top, persistent=False),
+                                       **settings)  # fmt: skip
+    calls.clear()
+    got = attention.attention_forward(q, k, v, techniques=top, **settings)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    programs = min(len(every), persistent_programs(3, default_tiles(
+        "forward", q.shape[-1], q.dtype).num_warps))  # fmt: skip
+    by_program = collections.defaultdict(list)
+    for (x, y, z), item in calls:
+        assert y == z == 0 and x < programs
+        by_program[x].append(item)
+    assert by_program == _snake_deal(q_blocks, batch_heads, programs)
+
+
+def test_costliest_first_and_persistent_are_refused_where_they_do_not_apply() -> None:
+    q, k, v, _ = _case(CASES[1])
+    with pytest.raises(ValueError, match="it needs costliest_first=True"):
+        Techniques(persistent=True)
+    for techniques in Techniques(costliest_first=True), LADDER[-1][1]:
+        assert not techniques.runs_in("split_kv") and techniques.runs_in("forward")
+        with pytest.raises(ValueError, match="costliest_first and techniques.persistent are "
+                           "switches of the forward kernel only"):  # fmt: skip
+            kernels.triton_split_kv_attention(q[:, :, :1], k, v, techniques=techniques)

@@ -429,6 +429,8 @@ def inspect_ladder(
                         continue
                     for masked in causal:
                         for rung, techniques in LADDER:
+                            if not techniques.runs_in(name):
+                                continue
                             yield {
                                 "rung": rung,
                                 **_inspect_one(

@@ -89,6 +89,7 @@ from .tiles import (
     default_techniques,
     default_tiles,
     padded_head_dim,
+    persistent_programs,
     split_sizes,
 )
 
@@ -346,9 +347,88 @@ def _forward_kernel(
     window=None, HAS_WINDOW: tl.constexpr = False,  # a positive int
     EXP2: tl.constexpr = False, EDGE_MASKS: tl.constexpr = False,
     TMA: tl.constexpr = False,
+    COSTLIEST_FIRST: tl.constexpr = False,
+    batch=None, PERSISTENT: tl.constexpr = False,  # B, with PERSISTENT
 ):  # fmt: skip
-    """One program: the output rows of one query tile of one (batch, head)."""
-    q_block, batch_head = tl.program_id(0), tl.program_id(1)
+    """One program: the output rows of one query tile of one (batch, head).
+
+    With ``COSTLIEST_FIRST``, the grid is (b * H + h, query tile), the last
+    query tiles first: the GPU starts programs in the grid's order, so a
+    causal pass starts those with the most key tiles first. With
+    ``PERSISTENT`` too, a fixed number of programs (a few per
+    multiprocessor) share the (query tile, batch, head) items in that
+    order, dealt round by round in snake order (0, 1, ..., P - 1, then
+    P - 1, ..., 0), so that each program's sum of key tiles is about the
+    same (:func:`mha.kernels.tiles.persistent_items`).
+    """
+    if PERSISTENT:
+        q_blocks = tl.cdiv(t_q, BLOCK_Q)
+        batch_heads = batch * num_heads
+        items, programs = q_blocks * batch_heads, tl.num_programs(0)
+        program = tl.program_id(0)
+        for deal in range(0, tl.cdiv(items, programs)):
+            seat = program  # the program's turn in this round
+            if deal % 2 == 1:
+                seat = programs - 1 - program
+            item = deal * programs + seat
+            if item < items:  # the last round may be short
+                _forward_tile(
+                    q_blocks - 1 - item // batch_heads, item % batch_heads,
+                    Q, K, V, Out, LSE, KeyStart,
+                    stride_qb, stride_qh, stride_qt, stride_qd,
+                    stride_kb, stride_kh, stride_kt, stride_kd,
+                    stride_vb, stride_vh, stride_vt, stride_vd,
+                    stride_ob, stride_oh, stride_ot, stride_od,
+                    num_heads, group, t_q, t_k, scale,
+                    CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM,
+                    PRECISION, HAS_KEY_START, Sinks, HAS_SINKS, window,
+                    HAS_WINDOW, EXP2, EDGE_MASKS, TMA,
+                )  # fmt: skip
+    elif COSTLIEST_FIRST:  # grid (b * H + h, query tile), last tile first
+        _forward_tile(
+            tl.num_programs(1) - 1 - tl.program_id(1), tl.program_id(0),
+            Q, K, V, Out, LSE, KeyStart,
+            stride_qb, stride_qh, stride_qt, stride_qd,
+            stride_kb, stride_kh, stride_kt, stride_kd,
+            stride_vb, stride_vh, stride_vt, stride_vd,
+            stride_ob, stride_oh, stride_ot, stride_od,
+            num_heads, group, t_q, t_k, scale,
+            CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
+            HAS_KEY_START, Sinks, HAS_SINKS, window, HAS_WINDOW,
+            EXP2, EDGE_MASKS, TMA,
+        )  # fmt: skip
+    else:
+        _forward_tile(
+            tl.program_id(0), tl.program_id(1),
+            Q, K, V, Out, LSE, KeyStart,
+            stride_qb, stride_qh, stride_qt, stride_qd,
+            stride_kb, stride_kh, stride_kt, stride_kd,
+            stride_vb, stride_vh, stride_vt, stride_vd,
+            stride_ob, stride_oh, stride_ot, stride_od,
+            num_heads, group, t_q, t_k, scale,
+            CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
+            HAS_KEY_START, Sinks, HAS_SINKS, window, HAS_WINDOW,
+            EXP2, EDGE_MASKS, TMA,
+        )  # fmt: skip
+
+
+@triton.jit
+def _forward_tile(
+    q_block, batch_head,  # the item: a query tile of one (batch, head)
+    Q, K, V, Out, LSE, KeyStart,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    num_heads, group, t_q, t_k, scale,
+    CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_KEY_START: tl.constexpr,
+    Sinks, HAS_SINKS: tl.constexpr, window, HAS_WINDOW: tl.constexpr,
+    EXP2: tl.constexpr, EDGE_MASKS: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """The output rows and logsumexps of query tile ``q_block`` of
+    ``batch_head`` (b * H + h)."""
     b, h = batch_head // num_heads, batch_head % num_heads
     kv = h // group  # the key/value head that query head h reads
     q_head = Q + b * stride_qb + h * stride_qh  # q[b, h], (T_q, d_k)
@@ -686,7 +766,8 @@ def forward_launch(
     q, k, v, out, logsumexp, *, causal, scale, tiles, key_start=None,
     sinks=None, window=None, techniques=None,
 ):  # fmt: skip
-    """The forward kernel's launch: one program per (query tile, b, h);
+    """The forward kernel's launch: one program per (query tile, b, h),
+    or with ``techniques.persistent`` :func:`persistent_programs` of them;
     ``key_start`` (B,) int32 or None (no padding); ``sinks`` (H,) float32
     or None; ``techniques``, a :class:`Techniques` (None: all off)."""
     (batch, heads, t_q, _), (kv_heads, t_k) = q.shape, k.shape[1:3]
@@ -699,6 +780,13 @@ def forward_launch(
     constants = _constants(q, tiles, causal, key_start, window, techniques)
     if sinks is not None:
         constants.update(Sinks=sinks, HAS_SINKS=True)
+    if techniques is not None and techniques.costliest_first:
+        grid = (grid[1], grid[0])
+    if techniques is not None and techniques.persistent:
+        items = grid[0] * grid[1]
+        grid = (min(items, persistent_programs(
+            _multiprocessors(q.device), tiles.num_warps)),)  # fmt: skip
+        constants.update(batch=batch)
     return Launch(_forward_kernel, grid, args, constants)
 
 
@@ -865,6 +953,13 @@ def split_kv_forward(
     window = check_window(window)
     tiles = _tiles(q, "split_kv", None, block_k, None)
     techniques = _techniques(q, techniques, k, v)
+    if not techniques.runs_in("split_kv"):
+        raise ValueError(
+            "techniques.costliest_first and techniques.persistent are "
+            "switches of the forward kernel only (attention_forward, "
+            "triton_attention); the split-KV kernel's programs all read "
+            "about as many keys"
+        )
     (batch, heads, t_q, d_k), t_k = q.shape, k.shape[2]
     if num_splits is None:
         programs = batch * heads * triton.cdiv(t_q, tiles.block_q)

@@ -20,6 +20,8 @@ __all__ = [
     "Techniques",
     "LADDER",
     "default_techniques",
+    "persistent_programs",
+    "persistent_items",
     "capability_of",
     "check_techniques",
     "KERNELS",
@@ -78,12 +80,23 @@ class Techniques:
     * ``pack_group`` (``split_kv`` only): a tile's rows are the query heads
       of one GQA group times the queries, as the paged kernel's always are,
       so that each key tile is read once per group, not once per head.
+    * ``costliest_first`` (``forward`` only): the grid's programs in order
+      of cost, the last query tiles (a causal pass's longest) first, so
+      that the GPU, which starts programs in the grid's order, has only
+      short ones left to fit in at the end.
+    * ``persistent`` (``forward``, with ``costliest_first``):
+      :func:`persistent_programs` programs, not one per query tile, each
+      looping over its share of the (query tile, batch, head) items, dealt
+      costliest first in snake order (:func:`persistent_items`): a causal
+      pass's work spread evenly without a launch per tile.
     """
 
     exp2: bool = False
     edge_masks: bool = False
     tma: bool = False
     pack_group: bool = False
+    costliest_first: bool = False
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -97,6 +110,19 @@ class Techniques:
                 "Techniques(tma=True) loads the tiles that edge masks leave "
                 "unmasked: it needs edge_masks=True"
             )
+        if self.persistent and not self.costliest_first:
+            raise ValueError(
+                "Techniques(persistent=True) deals the items costliest "
+                "first: it needs costliest_first=True"
+            )
+
+    def runs_in(self, kernel: str) -> bool:
+        """Whether ``kernel`` (``"forward"`` or ``"split_kv"``) has every
+        switch that is on."""
+        return not (
+            (self.pack_group and kernel != "split_kv")
+            or (self.costliest_first and kernel != "forward")
+        )
 
     def constants(self) -> dict:
         """The kernels' constexprs: only those switched on, so that a
@@ -108,6 +134,8 @@ class Techniques:
                 ("EXP2", self.exp2),
                 ("EDGE_MASKS", self.edge_masks),
                 ("TMA", self.tma),
+                ("COSTLIEST_FIRST", self.costliest_first),
+                ("PERSISTENT", self.persistent),
             )
             if on
         }
@@ -121,7 +149,54 @@ LADDER = (
     ("exp2, scale folded", Techniques(exp2=True)),
     ("masks at the edges only", Techniques(exp2=True, edge_masks=True)),
     ("TMA loads", Techniques(exp2=True, edge_masks=True, tma=True)),
+    (
+        "costliest tiles first",
+        Techniques(exp2=True, edge_masks=True, tma=True, costliest_first=True),
+    ),
+    (
+        "persistent, balanced",
+        Techniques(
+            exp2=True,
+            edge_masks=True,
+            tma=True,
+            costliest_first=True,
+            persistent=True,
+        ),
+    ),
 )
+
+#: 32-bit registers in one multiprocessor (compute capability 8.0 to 9.0),
+#: and the most one thread may use, 255, rounded up to the unit registers
+#: are allocated in, 8:
+#: CUDA C++ Programming Guide, technical specifications.
+REGISTERS_PER_MULTIPROCESSOR = 64 * 1024
+MAX_REGISTERS_PER_THREAD = 256
+
+
+def persistent_programs(multiprocessors: int, num_warps: int) -> int:
+    """How many programs a persistent launch makes: as many as surely fit
+    the GPU at once, each thread with the most registers it may have (2
+    programs of 4 warps, or 1 of 8, per multiprocessor)."""
+    per_thread = MAX_REGISTERS_PER_THREAD * 32 * num_warps
+    return multiprocessors * max(1, REGISTERS_PER_MULTIPROCESSOR // per_thread)
+
+
+def persistent_items(
+    program: int, programs: int, q_blocks: int, batch_heads: int
+) -> list[tuple[int, int]]:
+    """The (query tile, b * H + h) items that ``program`` of ``programs``
+    computes, in order, in a persistent forward pass: the items sorted by
+    query tile, last first (a causal pass's costliest), and dealt in rounds
+    of ``programs``, forwards in even rounds and backwards in odd ones."""
+    items = q_blocks * batch_heads
+    taken = []
+    for deal in range(_cdiv(items, programs)):
+        seat = program if deal % 2 == 0 else programs - 1 - program
+        item = deal * programs + seat
+        if item < items:
+            taken.append((q_blocks - 1 - item // batch_heads,
+                          item % batch_heads))  # fmt: skip
+    return taken
 
 
 def default_techniques(capability: tuple[int, int] = (9, 0)) -> Techniques:
