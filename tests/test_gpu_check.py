@@ -112,6 +112,7 @@ def test_the_ladder_part(toy, monkeypatch) -> None:
     candidates = {16: [Tiles(16, 16, 4, 1), Tiles(32, 16, 4, 1)]}
     monkeypatch.setattr(ladder, "TILE_CANDIDATES", candidates)
     monkeypatch.setattr(ladder, "CS336", dict(batch=1, heads=2, t=24, d=16, causal=True))
+    monkeypatch.setattr(ladder, "GQA_BACKWARD", ((1, 4, 2, 24, 16),))
     toy.ladder_lengths = [32, 48]
     report = gpu.part_ladder(600.0, toy)
     rows = [r for r in report["rows"] if r["impl"] == "triton"]
@@ -132,6 +133,13 @@ def test_the_ladder_part(toy, monkeypatch) -> None:
     ]
     cs336 = {"shape", "triton_forward_backward_ms", "sdpa_flash_forward_backward_ms"}
     assert set(report["cs336"]) == cs336
+    # the backward's GQA switch beside the default and SDPA, gradients within float32's
+    # rounding of the first row's
+    gqa = report["gqa_backward"]
+    assert [row["impl"] for row in gqa] == ["triton", "triton_split_group", "sdpa_flash"]
+    for row in gqa[:2]:
+        assert row["status"] == "ok" and row["grad_difference"] < 1e-5, row
+    assert gqa[0]["grad_difference"] == 0.0 and gqa[1]["forward_backward_ms"] == 1.0
 
 
 def test_best_tiles_are_the_least_total_time_over_the_lengths_all_were_timed_at() -> None:

@@ -92,6 +92,9 @@ def _run_every_kernel(device: str) -> list[torch.Tensor]:
     starts = torch.tensor([0, 9], dtype=torch.int32, device=device)
     out = kernels.triton_attention(q, k, v, causal=True, key_start=starts)
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    split = kernels.triton_attention(q, k, v, causal=True, key_start=starts,
+                                     techniques=kernels.Techniques(split_group=True))  # fmt: skip
+    split_grads = torch.autograd.grad(split, (q, k, v), torch.ones_like(split))
     decode = kernels.triton_split_kv_attention(q[:, :, -3:].detach(), k.detach(), v.detach(),
                                                causal=True, num_splits=3)  # fmt: skip
     pool = randn(7, 16, 2, 40, seed=4, dtype=torch.float32).to(device)
@@ -99,7 +102,7 @@ def _run_every_kernel(device: str) -> list[torch.Tensor]:
     lengths = torch.tensor([40, 19], dtype=torch.int32, device=device)
     paged = kernels.triton_paged_attention(q[:, :, -2:].detach(), pool, pool.flip(0), table,
                                            lengths)  # fmt: skip
-    return [out.detach(), *grads, decode, paged]
+    return [out.detach(), *grads, *split_grads[1:], decode, paged]
 
 
 def test_no_scratch_buffer_reaches_an_output_unwritten(monkeypatch) -> None:

@@ -58,7 +58,7 @@ CASES = [
 
 def dense(q, k, v, causal, key_start=None, window=None, sinks=None):
     """float64 attention written out: output and logsumexp (over the keys and the sink)."""
-    q, k, v = (t.detach().cpu().double() for t in (q, k, v))
+    q, k, v = (t.cpu().double() for t in (q, k, v))  # float64 leaves keep their graph
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     t_q, t_k = q.shape[2], k.shape[2]
@@ -448,6 +448,72 @@ def test_costliest_first_and_persistent_are_refused_where_they_do_not_apply() ->
         Techniques(persistent=True)
     for techniques in Techniques(costliest_first=True), LADDER[-1][1]:
         assert not techniques.runs_in("split_kv") and techniques.runs_in("forward")
-        with pytest.raises(ValueError, match="costliest_first and techniques.persistent are "
-                           "switches of the forward kernel only"):  # fmt: skip
+        with pytest.raises(ValueError, match="switches of the forward kernel and its backward "
+                           "only"):  # fmt: skip
             kernels.triton_split_kv_attention(q[:, :, :1], k, v, techniques=techniques)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward's switch: a GQA group's dk and dv split over programs of their own
+
+
+def _dense_gradients(q, k, v, settings, d_out):
+    """float64 autograd through the dense form written above."""
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    starts = settings.get("key_start")
+    out, _ = dense(q64, k64, v64, settings["causal"],
+                   None if starts is None else starts.tolist(), settings["window"],
+                   settings.get("sinks"))  # fmt: skip
+    return torch.autograd.grad(out, (q64, k64, v64), d_out.cpu().double())
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] != c[2]])  # GQA: H > H_kv
+def test_splitting_a_group_in_the_backward_equals_the_dense_gradients(case) -> None:
+    from mha.kernels.attention import attention_backward, attention_forward, backward_launches
+    from mha.kernels.tiles import default_tiles
+
+    q, k, v, settings = _case(case)
+    settings.pop("sinks", None)
+    out, lse = attention_forward(q, k, v, **settings)
+    d_out = randn(*out.shape, seed=9, dtype=torch.float32).to(DEVICE)
+    want = _dense_gradients(q, k, v, settings, d_out)
+    default = attention_backward(q, k, v, out, lse, d_out, **settings)
+    split = attention_backward(q, k, v, out, lse, d_out, techniques=Techniques(split_group=True),
+                               **settings)  # fmt: skip
+    for name, ours, theirs, dense_grad in zip("q k v".split(), split, default, want):
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, name
+        assert (ours.cpu().double() - dense_grad).abs().max() < 1e-4, name
+        # dq is the same kernel; dk and dv only sum the same float32 terms in another order
+        if name == "q":
+            assert torch.equal(ours, theirs)
+        else:
+            assert (ours - theirs).abs().max() < 1e-5, name
+    # the programs: one per key tile of each query head, G times the default's
+    batch, heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
+    shares = torch.empty(batch, heads, *k.shape[2:], dtype=torch.float32, device=DEVICE)
+    tiles = {name: default_tiles(name, q.shape[-1], q.dtype)
+             for name in ("backward_dk_dv", "backward_dq")}  # fmt: skip
+    common = dict(causal=settings["causal"], scale=1.0, tiles=tiles)
+    delta = lse.new_zeros(lse.shape)
+    plain, _ = backward_launches(q, k, v, d_out, lse, delta, q, k, v, **common)
+    shared, _ = backward_launches(q, k, v, d_out, lse, delta, q, shares, shares, **common)
+    assert plain.grid[1] == batch * kv_heads and shared.grid[1] == batch * heads
+    assert shared.grid[0] == plain.grid[0] and shared.constants["SPLIT_GROUP"] is True
+    assert "SPLIT_GROUP" not in plain.constants
+
+
+def test_splitting_a_group_goes_through_autograd_and_is_refused_by_split_kv() -> None:
+    q, k, v, settings = _case(CASES[1])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    settings.pop("block_q"), settings.pop("block_k")
+    grads = {}
+    for split in (False, True):
+        out = kernels.triton_attention(*leaves, techniques=Techniques(split_group=split),
+                                       **settings)  # fmt: skip
+        grads[split] = torch.autograd.grad(out.square().sum(), leaves)
+    assert torch.equal(grads[False][0], grads[True][0])
+    for plain, split in zip(grads[False][1:], grads[True][1:]):
+        assert (plain - split).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="techniques split_group: switches of the forward"):
+        kernels.triton_split_kv_attention(q[:, :, :1], k, v,
+                                          techniques=Techniques(split_group=True))  # fmt: skip

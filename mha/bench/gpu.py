@@ -1045,6 +1045,8 @@ def format_summary(report: dict) -> str:
         lines.append(f"fastest tiles: {best}")
     if "cs336" in ladder:
         lines.append(f"cs336: {ladder['cs336']}")
+    for row in ladder.get("gqa_backward", []):
+        lines.append(f"gqa backward: {row}")
     decode = report.get("decode", {})
     if "rows" in decode:
         lines.append(

@@ -12,10 +12,12 @@ B T and H d fixed), on the same inputs in the same run:
    per (d, causal) is named, with its ratio to the default tiles'.
 
 Then CS336's leaderboard configuration (:data:`CS336`), forward and
-backward, beside SDPA's flash kernel. Each (rung or tile, d, causal) is
-one compile, whatever T; the rungs at every shape come before the tiles,
-so a short budget still measures the ladder. Timings as in
-:mod:`mha.bench.gpu` (medians of ``triton.testing.do_bench``).
+backward, beside SDPA's flash kernel, and the backward's GQA switch
+(``Techniques.split_group``) on :data:`GQA_BACKWARD`'s shapes. Each (rung
+or tile, d, causal) is one compile, whatever T; the rungs at every shape
+come before the tiles, so a short budget still measures the ladder.
+Timings as in :mod:`mha.bench.gpu` (medians of
+``triton.testing.do_bench``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import torch
 
 from ..kernels.tiles import LADDER, Tiles
 
-__all__ = ["TILE_CANDIDATES", "CS336", "part_ladder", "best_tiles"]
+__all__ = ["TILE_CANDIDATES", "CS336", "GQA_BACKWARD", "part_ladder"]
+__all__ += ["best_tiles"]
 
 #: Tile candidates of the forward kernel in 16-bit, by head size: the
 #: default (first), the 128 x 128 tiles that Triton's tutorial keeps on
@@ -50,6 +53,14 @@ TILE_CANDIDATES = {
         Tiles(64, 128, 4, 3),
     ],
 }
+
+#: GQA shapes for the backward's ``split_group`` switch: (B, H, H_kv, T,
+#: d), causal, bfloat16; 32 query heads on 8 key/value heads of 128 (as
+#: Llama 3 8B's); short batches, where one program per key tile of each
+#: key/value head leaves multiprocessors idle (B 1, T 1024: 128 programs
+#: on an H100's 132), and one where it does not.
+GQA_BACKWARD = ((1, 32, 8, 1024, 128), (1, 32, 8, 4096, 128),
+                (8, 32, 8, 2048, 128))  # fmt: skip
 
 #: Stanford CS336 (2025)'s leaderboard shape: forward and backward, causal,
 #: bfloat16.
@@ -75,7 +86,7 @@ def _forward(q, k, v, causal, tiles, techniques):
     return out
 
 
-def _sdpa(backend):
+def _sdpa(backend, **options):
     from torch.nn import functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -83,7 +94,9 @@ def _sdpa(backend):
 
     def run(q, k, v, causal):
         with sdpa_kernel(chosen):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, **options
+            )
 
     return run
 
@@ -205,6 +218,7 @@ def part_ladder(budget: float, args) -> dict:
         "ratios": ladder_ratios(rows),
         "best_tiles": best_tiles(rows),
         "cs336": _cs336(deadline),
+        "gqa_backward": _gqa_backward(deadline),
     }
 
 
@@ -308,3 +322,56 @@ def _cs336(deadline: float) -> dict:
             result[f"{name}_status"] = f"{type(error).__name__}: {error}"[:200]
     gpu._free()
     return result
+
+
+def _gqa_backward(deadline: float) -> list[dict]:
+    """Forward and backward, causal, on :data:`GQA_BACKWARD`'s shapes: the
+    kernels with and without ``Techniques.split_group``, beside SDPA's
+    flash kernel (``enable_gqa``); each row's gradients' largest relative
+    difference from the first row's."""
+    from dataclasses import replace
+
+    from .. import kernels
+    from ..kernels.tiles import capability_of, default_techniques
+    from . import gpu
+    from .race import relative_error
+
+    defaults = default_techniques(capability_of(torch.device(gpu.DEVICE)))
+    split = replace(defaults, split_group=True)
+    flash = _sdpa("FLASH_ATTENTION", enable_gqa=True)
+    rows = []
+    for batch, heads, kv_heads, t, d in GQA_BACKWARD:
+        shape = {"B": batch, "H": heads, "H_kv": kv_heads, "T": t, "d": d}
+        if time.monotonic() > deadline:
+            rows.append({**shape, "status": "skipped: time"})
+            continue
+        q, grad = _inputs(batch, heads, t, d, t)[:2]
+        k, v = _inputs(batch, kv_heads, t, d, t + 1)[:2]
+        runs = {
+            "triton": lambda a, b, c: kernels.triton_attention(
+                a, b, c, causal=True, techniques=defaults),
+            "triton_split_group": lambda a, b, c: kernels.triton_attention(
+                a, b, c, causal=True, techniques=split),
+            "sdpa_flash": lambda a, b, c: flash(a, b, c, True),
+        }  # fmt: skip
+        first = None
+        for name, fn in runs.items():
+            row = {**shape, "impl": name}
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+            def step(fn=fn, leaves=leaves):
+                return torch.autograd.grad(fn(*leaves), leaves, grad)
+
+            try:
+                grads = step()
+                first = grads if first is None else first
+                row["grad_difference"] = max(
+                    relative_error(g, f) for g, f in zip(grads, first)
+                )
+                row["forward_backward_ms"] = gpu._median_ms(step)
+                row["status"] = "ok"
+            except Exception as error:  # noqa: BLE001
+                row["status"] = f"{type(error).__name__}: {error}"[:200]
+            rows.append(row)
+        gpu._free()
+    return rows

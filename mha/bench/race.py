@@ -10,14 +10,15 @@ and every gradient, and measures the error of the kernels and of torch's own
 
 :data:`GPU_GRID` covers T in {97, 113, 257, 300, 799, 1023, 1024} with every
 head size in {64, 80, 96, 128, 256} once, in float16 and bfloat16, causal
-and not, T_q != T_k, GQA, key starts and sinks in turn; :data:`CPU_GRID` is
-a small one for Triton's interpreter. ``make gpu-check`` runs the GPU grid.
+and not, T_q != T_k, GQA, key starts and sinks in turn, and 3 cases of the
+backward's ``Techniques.split_group``; :data:`CPU_GRID` is a small one for
+Triton's interpreter. ``make gpu-check`` runs the GPU grid.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch.nn import functional as F
@@ -43,6 +44,7 @@ class RaceCase:
     batch: int = 2
     key_start: bool = False  # left padding: row b's first keys hidden
     sinks: bool = False  # gpt-oss's learned sink logits
+    split_group: bool = False  # Techniques.split_group: the backward's dk, dv
 
     @property
     def name(self) -> str:
@@ -53,6 +55,7 @@ class RaceCase:
             else "",
             "keystart" if self.key_start else "",
             "sinks" if self.sinks else "",
+            "split" if self.split_group else "",
             "causal" if self.causal else "",
         ]
         label = f"{self.dtype}-d{self.head_dim}-{self.t_q}x{self.t_k}"
@@ -81,11 +84,27 @@ def _gpu_grid() -> list[RaceCase]:
                     sinks=n % 5 == 3,
                 )
             )
+    # the backward with a GQA group's dk and dv split over programs
+    for n, (t, head_dim) in enumerate(((300, 64), (1023, 128), (799, 96))):
+        cases.append(
+            RaceCase(
+                t_q=t,
+                t_k=t,
+                head_dim=head_dim,
+                dtype=("float16", "bfloat16")[n % 2],
+                causal=n != 2,
+                heads=8,
+                kv_heads=2,
+                key_start=n == 1,
+                split_group=True,
+            )  # fmt: skip
+        )
     return cases
 
 
-#: 35 cases: each head size meets each length once; dtype, causal, T_q !=
-#: T_k, GQA, key starts and sinks in turn.
+#: 38 cases: each head size meets each length once; dtype, causal, T_q !=
+#: T_k, GQA, key starts and sinks in turn; then 3 with the backward's
+#: ``split_group`` switch.
 GPU_GRID = _gpu_grid()
 
 #: The interpreter's grid: small, float32 and float16 (bfloat16's tl.dot is
@@ -95,6 +114,9 @@ CPU_GRID = [
     RaceCase(17, 40, 40, "float16", True, heads=4, kv_heads=2, batch=3),
     RaceCase(21, 37, 24, "float32", True, heads=2, kv_heads=1, key_start=True),
     RaceCase(19, 19, 32, "float16", False, heads=2, kv_heads=2, sinks=True),
+    RaceCase(
+        23, 23, 32, "float32", True, heads=4, kv_heads=2, split_group=True
+    ),
 ]
 
 
@@ -193,10 +215,18 @@ def race_case(
     q, k, v, d_out, key_start, sinks = _inputs(case, device, seed)
     leaves = [q, k, v] + ([sinks] if sinks is not None else [])
 
+    techniques = None  # the defaults
+    if case.split_group:
+        from ..kernels.tiles import capability_of, default_techniques
+
+        defaults = default_techniques(capability_of(device))
+        techniques = replace(defaults, split_group=True)
+
     def ours(q, k, v, s=None):
         return kernels.triton_attention(
-            q, k, v, causal=case.causal, key_start=key_start, sinks=s
-        )
+            q, k, v, causal=case.causal, key_start=key_start, sinks=s,
+            techniques=techniques,
+        )  # fmt: skip
 
     mask = _mask(case, key_start, device)
     runs = [_gradients(ours, leaves, d_out) for _ in range(reruns)]

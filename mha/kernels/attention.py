@@ -576,15 +576,26 @@ def _backward_dk_dv_kernel(
     HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
     PRECISION: tl.constexpr, HAS_KEY_START: tl.constexpr,
     window=None, HAS_WINDOW: tl.constexpr = False,  # a positive int
+    SPLIT_GROUP: tl.constexpr = False,
+    stride_sb=None, stride_sh=None, stride_st=None, stride_sd=None,
 ):  # fmt: skip
     """One program: dk and dv of one key tile of one key/value head.
 
     Sums over every query tile of every query head in the head's group, so
-    no two programs write the same rows: no atomic additions.
+    no two programs write the same rows: no atomic additions. With
+    ``SPLIT_GROUP``, one program per key tile of one *query* head, which
+    writes that head's share of dk and dv (float32, (B, H, T_k, d_k), the
+    ``stride_s*``) for the caller to sum over the group: G times the
+    programs for a group of G heads, still no atomic addition.
     """
     k_block, batch_kv = tl.program_id(0), tl.program_id(1)
-    num_kv_heads = num_heads // group
-    b, kv = batch_kv // num_kv_heads, batch_kv % num_kv_heads
+    if SPLIT_GROUP:  # batch_kv is b * H + h: one query head
+        b, first_head = batch_kv // num_heads, batch_kv % num_heads
+        kv, members = first_head // group, 1
+    else:
+        num_kv_heads = num_heads // group
+        b, kv = batch_kv // num_kv_heads, batch_kv % num_kv_heads
+        first_head, members = kv * group, group
     cols = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
     dims = tl.arange(0, PADDED_DIM)
     visible = cols < t_k
@@ -604,8 +615,8 @@ def _backward_dk_dv_kernel(
     last = t_q  # query tiles after the last query whose window holds it
     if HAS_WINDOW:
         last = tl.minimum(t_q, (k_block + 1) * BLOCK_K - 1 - offset + window)
-    for member in range(0, group):  # the query heads that read head kv
-        h = kv * group + member
+    for member in range(0, members):  # the query heads that read head kv
+        h = first_head + member
         batch_head = b * num_heads + h
         q_offset = b * stride_b + h * stride_h  # of q[b, h], d_out[b, h]
         for start in range(first, last, BLOCK_Q):
@@ -639,6 +650,9 @@ def _backward_dk_dv_kernel(
                          input_precision=PRECISION)  # fmt: skip
     dk = dk * scale
     inside = (cols[:, None] < t_k) & (dims[None, :] < HEAD_DIM)  # padding: 0
+    if SPLIT_GROUP:  # the head's share, in its own rows
+        kv_tile = _tile(b * stride_sb + first_head * stride_sh, cols, dims,
+                        stride_st, stride_sd)  # fmt: skip
     tl.store(DK + kv_tile, dk.to(DK.dtype.element_ty), inside)
     tl.store(DV + kv_tile, dv.to(DV.dtype.element_ty), inside)
 
@@ -812,23 +826,32 @@ def split_kv_launch(
     return Launch(_split_kv_kernel, grid, args, constants)
 
 
+#: The dk_dv kernel's strides of the per-head shares (``SPLIT_GROUP``).
+SHARE_STRIDES = ("stride_sb", "stride_sh", "stride_st", "stride_sd")
+
+
 def backward_launches(
     q, k, v, d_out, logsumexp, delta, dq, dk, dv, *, causal, scale, tiles,
     key_start=None, window=None,
 ):  # fmt: skip
     """The two backward kernels' launches; ``tiles`` maps each kernel's
     name to its :class:`Tiles`. q, d_out, dq share one layout, and k, v,
-    dk, dv another."""
+    dk, dv another, or dk and dv are float32 (B, H, T_k, d_k): each query
+    head's share, one program per key tile of one query head
+    (``Techniques.split_group``), for the caller to sum over each group."""
     (batch, heads, t_q, _), (kv_heads, t_k) = q.shape, k.shape[1:3]
     sizes = (heads, heads // kv_heads, t_q, t_k, scale)
     by_keys = tiles["backward_dk_dv"]
+    constants = _constants(q, by_keys, causal, key_start, window)
     grid = (triton.cdiv(t_k, by_keys.block_k), batch * kv_heads)
+    if dk.shape[1] != kv_heads:  # shares per query head
+        grid = (grid[0], batch * heads)
+        constants.update(
+            SPLIT_GROUP=True, **dict(zip(SHARE_STRIDES, dk.stride()))
+        )
     args = (q, k, v, d_out, logsumexp, delta, dk, dv, key_start,
             *q.stride(), *k.stride(), *sizes)  # fmt: skip
-    dk_dv = Launch(
-        _backward_dk_dv_kernel, grid, args,
-        _constants(q, by_keys, causal, key_start, window),
-    )  # fmt: skip
+    dk_dv = Launch(_backward_dk_dv_kernel, grid, args, constants)
     by_queries = tiles["backward_dq"]
     grid = (triton.cdiv(t_q, by_queries.block_q), batch * heads)
     args = (q, k, v, d_out, logsumexp, delta, dq, key_start,
@@ -903,11 +926,15 @@ def attention_backward(
     block_k: int | None = None,
     key_start: Tensor | None = None,
     window: int | None = None,
+    techniques: Techniques | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Run the backward kernels: ``(dq, dk, dv)`` of ``sum(d_out * out)``."""
+    """Run the backward kernels: ``(dq, dk, dv)`` of ``sum(d_out * out)``;
+    ``techniques.split_group``: dk and dv of a GQA group's heads computed
+    by programs of their own and summed after (:class:`Techniques`)."""
     scale = _check_inputs(q, k, v, scale, block_q, block_k)
     key_start = check_key_start(key_start, q)
     window = check_window(window)
+    techniques = _techniques(q, techniques, k, v)
     tiles = {
         name: _tiles(q, name, block_q, block_k, None)
         for name in ("backward_dk_dv", "backward_dq")
@@ -917,12 +944,22 @@ def attention_backward(
     k, v = k.contiguous(), v.contiguous()
     delta = (d_out.float() * out.float()).sum(dim=-1)  # (B, H, T_q)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    (batch, heads, _, d_k), (kv_heads, t_k) = q.shape, k.shape[1:3]
+    split = techniques.split_group and heads > kv_heads
+    if split:  # each query head's share, float32, summed below
+        dk, dv = (torch.empty((batch, heads, t_k, d_k), **_like(delta))
+                  for _ in range(2))  # fmt: skip
     for launch in backward_launches(
         q, k, v, d_out, logsumexp, delta, dq, dk, dv,
         causal=causal, scale=scale, tiles=tiles, key_start=key_start,
         window=window,
     ):  # fmt: skip
         launch()
+    if split:
+        dk, dv = (
+            share.view(batch, kv_heads, -1, t_k, d_k).sum(2).to(k.dtype)
+            for share in (dk, dv)
+        )  # fmt: skip
     return dq, dk, dv
 
 
@@ -954,11 +991,12 @@ def split_kv_forward(
     tiles = _tiles(q, "split_kv", None, block_k, None)
     techniques = _techniques(q, techniques, k, v)
     if not techniques.runs_in("split_kv"):
+        names = ", ".join(techniques.not_in("split_kv"))
         raise ValueError(
-            "techniques.costliest_first and techniques.persistent are "
-            "switches of the forward kernel only (attention_forward, "
-            "triton_attention); the split-KV kernel's programs all read "
-            "about as many keys"
+            f"techniques {names}: switches of the forward kernel and its "
+            "backward only (attention_forward, triton_attention), not of "
+            "the split-KV kernel, whose programs all read about as many "
+            "keys and which has no backward"
         )
     (batch, heads, t_q, d_k), t_k = q.shape, k.shape[2]
     if num_splits is None:
@@ -1062,11 +1100,9 @@ class TritonAttention(torch.autograd.Function):
     ):  # fmt: skip
         settings = dict(
             causal=causal, scale=scale, block_q=block_q, block_k=block_k,
-            key_start=key_start, window=window,
+            key_start=key_start, window=window, techniques=techniques,
         )  # fmt: skip
-        out, logsumexp = attention_forward(
-            q, k, v, **settings, sinks=sinks, techniques=techniques
-        )
+        out, logsumexp = attention_forward(q, k, v, **settings, sinks=sinks)
         ctx.save_for_backward(q, k, v, out, logsumexp, sinks)
         ctx.settings = settings
         return out
@@ -1123,9 +1159,10 @@ def triton_attention(
             newest keys, its own included (keys j > i + T_k - T_q -
             window; a sliding window); the key tiles before every query's
             window are skipped, forward and backward.
-        techniques: the forward kernel's switches, a :class:`Techniques`;
-            None: :func:`default_techniques` (every switch off until a GPU
-            measurement shows it pays). The backward is the same for all.
+        techniques: the kernels' switches, a :class:`Techniques`; None:
+            :func:`default_techniques` (every switch off until a GPU
+            measurement shows it pays). Only ``split_group`` changes the
+            backward.
 
     Returns:
         (B, H, T_q, d_k), in the inputs' dtype.

@@ -89,6 +89,11 @@ class Techniques:
       looping over its share of the (query tile, batch, head) items, dealt
       costliest first in snake order (:func:`persistent_items`): a causal
       pass's work spread evenly without a launch per tile.
+    * ``split_group`` (the backward of ``forward``): dk and dv computed by
+      one program per key tile of each *query* head, not of each key/value
+      head, into float32 shares summed over each GQA group afterwards: G
+      times the programs for groups of G (a short sequence with few
+      key/value heads fills the GPU), G times the memory for dk and dv.
     """
 
     exp2: bool = False
@@ -97,6 +102,7 @@ class Techniques:
     pack_group: bool = False
     costliest_first: bool = False
     persistent: bool = False
+    split_group: bool = False
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -116,13 +122,18 @@ class Techniques:
                 "first: it needs costliest_first=True"
             )
 
+    def not_in(self, kernel: str) -> list[str]:
+        """The switches that are on and that ``kernel`` (``"forward"``,
+        whose call runs the backward too, or ``"split_kv"``) lacks."""
+        return [
+            name
+            for name, on in vars(self).items()
+            if on and kernel not in _SWITCHES_OF[name]
+        ]
+
     def runs_in(self, kernel: str) -> bool:
-        """Whether ``kernel`` (``"forward"`` or ``"split_kv"``) has every
-        switch that is on."""
-        return not (
-            (self.pack_group and kernel != "split_kv")
-            or (self.costliest_first and kernel != "forward")
-        )
+        """Whether ``kernel`` has every switch that is on."""
+        return not self.not_in(kernel)
 
     def constants(self) -> dict:
         """The kernels' constexprs: only those switched on, so that a
@@ -140,6 +151,17 @@ class Techniques:
             if on
         }
 
+
+#: The kernels each switch belongs to ("forward": its call, backward too).
+_SWITCHES_OF = {
+    "exp2": ("forward", "split_kv"),
+    "edge_masks": ("forward", "split_kv"),
+    "tma": ("forward", "split_kv"),
+    "pack_group": ("split_kv",),
+    "costliest_first": ("forward",),
+    "persistent": ("forward",),
+    "split_group": ("forward",),
+}
 
 #: The ladder: from the book's first kernel, one technique more per rung
 #: (``python -m mha.bench.gpu`` times each rung; the compiler report shows
