@@ -720,3 +720,65 @@ def test_serve_names_its_sizes_once() -> None:
     with contextlib.redirect_stdout(text), pytest.raises(SystemExit):
         main(["serve", "--help"])
     assert "--requests" in text.getvalue() and "--seq-lens" not in text.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# A learner's own kernel beside the book's (python -m mha.bench layer --load FILE.py)
+
+LEARNER_ENTRY = '''
+import mha.kernels  # first: it chooses Triton's interpreter where there is no GPU
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+from learner_kernels import learner_attention
+from mha.bench import core
+
+
+@core("my_flash", dtypes=(torch.float32, torch.float16, torch.bfloat16), default_on=())
+def my_flash(q, k, v, causal):
+    """My FlashAttention kernel (chapter 13's exercise)."""
+    return lambda: learner_attention(q, k, v, causal)[0]
+'''
+
+
+def _bench(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mha.bench", *args], capture_output=True,
+                          text=True, timeout=600, cwd=cwd)  # fmt: skip
+
+
+def test_a_learners_kernel_is_timed_beside_the_books(tmp_path) -> None:
+    from pathlib import Path
+
+    (tmp_path / "my_kernel.py").write_text(LEARNER_ENTRY.format(tests=str(Path(__file__).parent)))
+    listed = _bench("layer", "--load", "my_kernel.py", "--impl", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert "my_flash" in listed.stdout and "My FlashAttention kernel" in listed.stdout
+    completed = _bench(
+        "layer", "--load=my_kernel.py", "--impl", "my_flash", "triton_attention", "sdpa_math",
+        "--seq-lens", "48", "--batch", "1", "--heads", "2", "--head-dim", "32", "--causal",
+        "--repeats", "1", "--warmup", "1", "--min-time", "0", "--max-repeats", "1", "--quiet",
+        "--output", "out.json", cwd=tmp_path,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    report = json.loads((tmp_path / "out.json").read_text())
+    rows = {row["impl"]: row for row in report["results"]}
+    assert set(rows) == {"my_flash", "triton_attention", "sdpa_math"}
+    assert all(row["status"] == "ok" for row in rows.values()), rows
+    assert "--load=my_kernel.py" in report["environment"]["command"]
+    assert "my_flash" in completed.stdout
+
+
+def test_a_file_that_cannot_be_loaded_is_named(tmp_path) -> None:
+    missing = _bench("layer", "--load", "nowhere.py", "--impl", cwd=tmp_path)
+    assert missing.returncode == 2
+    assert "--load takes a Python file (.py), got 'nowhere.py': no such file" in missing.stderr
+    (tmp_path / "broken.py").write_text("raise RuntimeError('half written')\n")
+    broken = _bench("layer", "--load", "broken.py", "--impl", cwd=tmp_path)
+    assert broken.returncode == 2
+    assert "--load broken.py: running it raised RuntimeError: half written" in broken.stderr
+    (tmp_path / "again.py").write_text(
+        "from mha.bench import core\n\n@core('sdpa_math')\ndef again(q, k, v, causal):\n"
+        "    return lambda: q\n"
+    )
+    again = _bench("layer", "--load", "again.py", "--impl", cwd=tmp_path)
+    assert again.returncode == 2 and "named 'sdpa_math' is registered already" in again.stderr

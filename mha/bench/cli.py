@@ -9,15 +9,17 @@ whose keyword arguments the options are), its table, the common options
 from __future__ import annotations
 
 import argparse
+import runpy
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from . import decode, layer, model, serve, variants
 from .registry import Implementation, implementation_table
 from .report import write_results
 from .timing import DEVICES, DTYPES, log
 
-__all__ = ["main", "COMMANDS"]
+__all__ = ["main", "load", "COMMANDS"]
 
 #: The subcommands; the first is the default.
 COMMANDS = ("layer", "decode", "variants", "model", "serve")
@@ -76,6 +78,10 @@ def _command(
         help="write the report, with its environment, as JSON")
     add("--quiet", action="store_true", default=None,
         help="no progress lines on stderr")
+    add("--load", action="append", metavar="FILE.py", help="a Python file "
+        "run first, whose entries (mha.bench.core, mha.bench.register) "
+        "join the benchmark's, for --impl to name: your own kernel beside "
+        "the book's; repeatable")
     # fmt: on
     return add
 
@@ -188,11 +194,48 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _loaded_files(argv: Sequence[str]) -> list[str]:
+    """The files named by ``--load`` (``--load F`` or ``--load=F``)."""
+    files = []
+    for i, word in enumerate(argv):
+        if word == "--load" and i + 1 < len(argv):
+            files.append(argv[i + 1])
+        elif word.startswith("--load="):
+            files.append(word.split("=", 1)[1])
+    return files
+
+
+def load(path: str) -> None:
+    """Run the Python file ``path``, whose decorated entries register
+    themselves (:func:`mha.bench.core`, :func:`mha.bench.register`); its
+    folder is importable while it runs, for its own modules."""
+    file = Path(path)
+    if file.suffix != ".py" or not file.is_file():
+        raise ValueError(f"--load takes a Python file (.py), got {path!r}: "
+                         "no such file")  # fmt: skip
+    folder = str(file.resolve().parent)
+    sys.path.insert(0, folder)
+    try:
+        runpy.run_path(str(file), run_name="__mha_bench_load__")
+    except Exception as error:
+        raise ValueError(
+            f"--load {path}: running it raised {type(error).__name__}: {error}"
+        ) from error
+    finally:
+        sys.path.remove(folder)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; see ``python -m mha.bench --help``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
         argv.insert(0, COMMANDS[0])
+    try:  # before the parser: the files' entries are --impl's choices
+        for path in _loaded_files(argv):
+            load(path)
+    except ValueError as error:
+        print(f"python -m mha.bench: error: {error}", file=sys.stderr)
+        return 2
     parser = _parser()
     args = parser.parse_args(argv)
     if args.impls == []:
@@ -202,7 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         key: value
         for key, value in vars(args).items()
         if value is not None
-        and key not in ("command", "run", "table", "registry", "output")
+        and key
+        not in ("command", "run", "table", "registry", "output", "load")
     }
     try:
         report = args.run(**options)
