@@ -384,23 +384,13 @@ def _forward_kernel(
                     PRECISION, HAS_KEY_START, Sinks, HAS_SINKS, window,
                     HAS_WINDOW, EXP2, EDGE_MASKS, TMA,
                 )  # fmt: skip
-    elif COSTLIEST_FIRST:  # grid (b * H + h, query tile), last tile first
-        _forward_tile(
-            tl.num_programs(1) - 1 - tl.program_id(1), tl.program_id(0),
-            Q, K, V, Out, LSE, KeyStart,
-            stride_qb, stride_qh, stride_qt, stride_qd,
-            stride_kb, stride_kh, stride_kt, stride_kd,
-            stride_vb, stride_vh, stride_vt, stride_vd,
-            stride_ob, stride_oh, stride_ot, stride_od,
-            num_heads, group, t_q, t_k, scale,
-            CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
-            HAS_KEY_START, Sinks, HAS_SINKS, window, HAS_WINDOW,
-            EXP2, EDGE_MASKS, TMA,
-        )  # fmt: skip
     else:
+        q_block, batch_head = tl.program_id(0), tl.program_id(1)
+        if COSTLIEST_FIRST:  # grid (b * H + h, query tile), last tile first
+            q_block = tl.num_programs(1) - 1 - tl.program_id(1)
+            batch_head = tl.program_id(0)
         _forward_tile(
-            tl.program_id(0), tl.program_id(1),
-            Q, K, V, Out, LSE, KeyStart,
+            q_block, batch_head, Q, K, V, Out, LSE, KeyStart,
             stride_qb, stride_qh, stride_qt, stride_qd,
             stride_kb, stride_kh, stride_kt, stride_kd,
             stride_vb, stride_vh, stride_vt, stride_vd,
