@@ -61,9 +61,9 @@ class Tiles:
 
 @dataclass(frozen=True)
 class Techniques:
-    """Switches of the forward kernels (``forward`` and ``split_kv``), each
-    a change of the same algorithm that is kept only where it is measured
-    to pay; every one off is the book's first kernel.
+    """Switches of the kernels (``forward``, its backward, ``split_kv``),
+    each a change of the same algorithm that is kept only where it is
+    measured to pay; every one off is the book's first kernel.
 
     * ``exp2``: the scores in base 2, ``exp2(s * scale * log2 e - m)``: the
       scale folded into one multiply-add before the exponential (the GPU's
