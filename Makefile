@@ -52,14 +52,16 @@ lint: $(STAMP)
 	$(BIN)/ruff check
 	$(BIN)/check-jsonschema --builtin-schema vendor.github-workflows .github/workflows/*.yml
 
-# The unit tests in TEST_WORKERS processes (pytest-xdist): twice as fast on
-# two cores; TEST_WORKERS=0 runs them in this process, one after another.
+# The unit tests and nbval in TEST_WORKERS processes (pytest-xdist; nbval's
+# cells of one notebook stay together, in order): about twice as fast on two
+# cores; TEST_WORKERS=0 runs them in this process, one after another.
 TEST_WORKERS ?= 2
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests --ignore=tests/book -n $(TEST_WORKERS)
 
 nbval: $(STAMP)
-	$(BIN)/python -m pytest --nbval --nbval-current-env chapters appendix
+	$(BIN)/python -m pytest --nbval --nbval-current-env chapters appendix \
+		-n $(TEST_WORKERS) --dist loadscope
 
 # The stored outputs hold on any CPU: nbval again, with torch and NumPy held to an instruction
 # set other than this machine's own (AVX2 on an AVX-512 CPU, the portable default otherwise) and
