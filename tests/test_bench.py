@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -742,13 +744,15 @@ def my_flash(q, k, v, causal):
 
 
 def _bench(*args: str, cwd) -> subprocess.CompletedProcess:
+    # mha from this tree, where it is not installed too (a plain checkout on a GPU machine)
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-m", "mha.bench", *args], capture_output=True,
-                          text=True, timeout=600, cwd=cwd)  # fmt: skip
+                          text=True, timeout=600, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": path})  # fmt: skip
 
 
 def test_a_learners_kernel_is_timed_beside_the_books(tmp_path) -> None:
-    from pathlib import Path
-
     (tmp_path / "my_kernel.py").write_text(LEARNER_ENTRY.format(tests=str(Path(__file__).parent)))
     listed = _bench("layer", "--load", "my_kernel.py", "--impl", cwd=tmp_path)
     assert listed.returncode == 0, listed.stderr
@@ -757,7 +761,7 @@ def test_a_learners_kernel_is_timed_beside_the_books(tmp_path) -> None:
         "layer", "--load=my_kernel.py", "--impl", "my_flash", "triton_attention", "sdpa_math",
         "--seq-lens", "48", "--batch", "1", "--heads", "2", "--head-dim", "32", "--causal",
         "--repeats", "1", "--warmup", "1", "--min-time", "0", "--max-repeats", "1", "--quiet",
-        "--output", "out.json", cwd=tmp_path,
+        "--device", KERNEL_DEVICE, "--output", "out.json", cwd=tmp_path,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr
     report = json.loads((tmp_path / "out.json").read_text())

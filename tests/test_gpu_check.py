@@ -3,12 +3,18 @@
 The parts are run here on the CPU at toy sizes (the kernels in Triton's interpreter, float32,
 a two-layer model), so that the command a GPU machine runs once is known to work before it
 does: each part's rows, its errors against float32 and SDPA's, the engine's tokens against
-generate's alone.
+generate's alone. On a machine with a GPU the kernels are compiled for it and refuse CPU
+tensors, so there the toy parts run in a child process that sees no GPU (the interpreter's
+machine), and the GPU itself is left to ``make gpu-check``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,8 +37,29 @@ def test_without_a_gpu_it_says_so_and_fails(capsys) -> None:
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+#: The toy parts: on the CPU, in this process where no GPU is seen, else in a child that sees none.
+TOY_PARTS = ["attention", "decode", "model", "engine", "ladder"]
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU here: the toy parts run in this process"
+)
+def test_the_toy_parts_in_a_process_that_sees_no_gpu() -> None:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+    here = Path(__file__)  # run from the repository's root, where ``mha`` is imported from
+    ids = [f"{here.parent.name}/{here.name}::test_the_{part}_part" for part in TOY_PARTS]
+    completed = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ids],
+        cwd=here.parents[1], env=env, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-6000:] + completed.stderr[-2000:]
+    assert f"{len(TOY_PARTS)} passed" in completed.stdout, completed.stdout[-2000:]
+
+
 @pytest.fixture
 def toy(monkeypatch) -> argparse.Namespace:
+    if torch.cuda.is_available():  # the kernels are compiled: they take CUDA tensors only
+        pytest.skip("this machine has a GPU: the toy parts run in a child that sees none")
     monkeypatch.setattr(gpu, "DEVICE", "cpu")
     monkeypatch.setattr(gpu, "DTYPE", torch.float32)
     monkeypatch.setattr(gpu, "_median_ms", lambda fn: (fn(), 1.0)[1])  # one call, "1 ms"

@@ -23,6 +23,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from helpers import KERNEL_DEVICE
+
 # ops that read a value from the device, or whose result's size depends on values
 READS = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "unique_dim", "_unique2"}
 
@@ -81,9 +83,11 @@ def config(layers: int) -> dict:
 
 def reads_in_a_decoding_step(monkeypatch, layers, backend, cache, padded) -> list[str]:
     torch.manual_seed(0)
-    model = mha.CausalLM.from_config(config(layers), attn_backend=backend).eval()
-    ids = torch.randint(0, 64, (2, 6))
-    mask = torch.ones(2, 8, dtype=torch.long)
+    device = KERNEL_DEVICE if backend == "triton" else "cpu"  # compiled kernels: CUDA tensors
+    model = mha.CausalLM.from_config(config(layers), attn_backend=backend, device=device)
+    model.eval()
+    ids = torch.randint(0, 64, (2, 6), device=device)
+    mask = torch.ones(2, 8, dtype=torch.long, device=device)
     if padded:
         mask[0, :2] = 0  # row 0 left-padded
     caches = model.new_caches(2, 8, kind=cache)
