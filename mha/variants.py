@@ -239,10 +239,13 @@ def dense_mask(
     What ``F.scaled_dot_product_attention`` needs as ``attn_mask``: T_q x T_k
     booleans in memory, read whole by every call. The first query stands at
     position ``q_offset`` (default T_k - T_q: the queries are the newest).
+    Made on the device of the tensors the mask_mod reads (its ``device``,
+    as the variants here mark it), the CPU for one that reads none.
     """
     t_q, t_k = _check_mask_lengths(mask_mod, t_q, t_k)
+    device = getattr(mask_mod, "device", None) or "cpu"
     mask_mod = _queries_at(mask_mod, _offset(q_offset, t_q, t_k))
-    return create_mask(mask_mod, 1, 1, t_q, t_k, device="cpu")[0, 0]
+    return create_mask(mask_mod, 1, 1, t_q, t_k, device=device)[0, 0]
 
 
 def apply_score_mod(

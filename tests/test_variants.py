@@ -393,6 +393,10 @@ def test_dense_mask_is_the_twin() -> None:
         np.testing.assert_array_equal(first, twin[:9])
     doc = variants.dense_mask(variants.document(DOC_IDS), 200)
     np.testing.assert_array_equal(doc.numpy(), reference.document_mask(DOC_IDS))
+    # made where the mask_mod's tensors are (a GPU's, for one made for GPU queries): the meta
+    # device stands in for one here, as a CPU mask cannot read its tensors
+    on_meta = variants.dense_mask(variants.sink_window(3, 2, device="meta"), 9, 12)
+    assert on_meta.device.type == "meta" and on_meta.shape == (9, 12)
 
 
 def _tiles_of(mask: np.ndarray, block: int) -> np.ndarray:

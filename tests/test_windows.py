@@ -25,7 +25,8 @@ def _expected(q, k, v, window, starts):
     t_q, t_k = q.shape[2], k.shape[2]
     padding = None
     if starts is not None:
-        padding = torch.arange(t_k, device=q.device)[None] >= torch.tensor(starts)[:, None]
+        starts = torch.tensor(starts, device=q.device)  # q's device: a GPU's where compiled
+        padding = torch.arange(t_k, device=q.device)[None] >= starts[:, None]
     keep = Masking(window=window, padding=padding).keep(t_q, t_k, q.device)
     return grouped_attention(q, k, v, keep)
 
