@@ -133,8 +133,10 @@ def test_a_learners_attention_kernel_beside_the_books():
     }
     assert rows[0]["hgmma"] == 0 and rows[1]["hgmma"] == 0  # no warpgroup products on sm_80
 
-    # the book's rows are the builds `python -m mha.kernels --inspect` committed
+    # the book's rows are the builds `python -m mha.kernels --inspect` committed: the same tiles,
+    # and, from the same Triton (its compiler and ptxas), the same registers and instructions
     committed = json.loads(sorted((ROOT / "benchmarks").glob("kernels_2*.json"))[-1].read_text())
+    same_compiler = committed["environment"]["triton_version"] == triton.__version__
     for row in rows[1::2]:
         (same,) = [
             b
@@ -143,9 +145,11 @@ def test_a_learners_attention_kernel_beside_the_books():
             == ("forward", row["arch"], "float16", 64)
             and b.get("causal", True)
         ]
-        for key in ("block_q", "block_k", "num_warps", "num_stages", "registers", "shared_bytes"):
+        for key in ("block_q", "block_k", "num_warps", "num_stages"):
             assert row[key] == same[key], key
-        assert row["tensor_core_instructions"] == same["tensor_core_instructions"]
+        if same_compiler:
+            for key in ("registers", "shared_bytes", "tensor_core_instructions"):
+                assert row[key] == same[key], key
 
 
 def test_the_books_kernel_rebuilt_from_its_source_compiles_as_the_book_does():
