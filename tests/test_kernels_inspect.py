@@ -286,11 +286,15 @@ def test_committed_ladder_shows_what_each_technique_changes() -> None:
     # exp2 with the scale folded makes one multiply-add of "times the scale, minus the maximum"
     # (more FFMA, fewer FMUL and FADD) and no exponential more; masks at the edges only add a
     # second copy of the loop's body (twice the exponentials and tensor-core products in the
-    # code, which still runs each tile once). The schedule's rungs (the forward kernel only)
-    # change which tiles a program computes, not how: the loop's body, its exponentials and
-    # tensor-core products, as the TMA rung's. Persistence keeps a loop over items live around
-    # that body: its registers are reported as they come (at d_k 64 causal it reaches the 255
-    # a thread may have and spills); every other build must not spill.
+    # code, which still runs each tile once). Warp specialization (the forward kernel) folds
+    # the loops back into one, every load through the copy engine, on 4 warps that Triton joins
+    # with warps of its own, each group with its register budget (USETMAXREG): one tile's
+    # exponentials and products shared by 4 warps, where the exp2 rung shares them by its own.
+    # The schedule's rungs change which tiles a program computes, not how: the loop's body, its
+    # exponentials and tensor-core products, as the rung below's (the persistent rung: as the
+    # TMA rung's, as it cannot keep warp specialization). Persistence keeps a loop over items
+    # live around that body: its registers are reported as they come (at d_k 64 causal it
+    # reaches the 255 a thread may have and spills); every other build must not spill.
     from mha.kernels.tiles import LADDER
 
     files = sorted((ROOT / "benchmarks").glob("kernels_ladder_2*.json"))
@@ -312,11 +316,21 @@ def test_committed_ladder_shows_what_each_technique_changes() -> None:
             name for name, on in vars(dict(LADDER)[rung]).items() if on
         ], row  # fmt: skip
         first, exp2, edges, tma = (by[kernel, d, causal, name] for name in rungs[:4])
+        counts = ("MUFU.EX2", "tensor_core_instructions", "UTMALDG", "LDGSTS", "USETMAXREG")
         if kernel == "forward":
-            for name in rungs[4:]:
-                scheduled = by[kernel, d, causal, name]
-                for count in ("MUFU.EX2", "tensor_core_instructions", "UTMALDG", "LDGSTS"):
-                    assert scheduled[count] == tma[count], (name, count)
+            specialized, costliest, persistent = (
+                by[kernel, d, causal, name] for name in rungs[4:]
+            )  # fmt: skip
+            assert specialized["num_warps"] == 4 < specialized["compiled_warps"]
+            assert specialized["USETMAXREG"] > 0 and specialized["UTMALDG"] > 0
+            assert specialized["LDGSTS"] == 0
+            for count in ("MUFU.EX2", "tensor_core_instructions"):
+                assert specialized[count] * 4 == exp2[count] * exp2["num_warps"], count
+            for count in counts:
+                assert costliest[count] == specialized[count], count
+                assert persistent[count] == tma[count], count
+        for built in first, exp2, edges, tma:  # no group of warps of their own
+            assert built["USETMAXREG"] == 0 and built["compiled_warps"] == built["num_warps"]
         assert exp2["FFMA"] > first["FFMA"] and exp2["FMUL"] < first["FMUL"], (first, exp2)
         assert exp2["FADD"] < first["FADD"] and exp2["MUFU.EX2"] == first["MUFU.EX2"]
         assert exp2["instructions"] < first["instructions"]

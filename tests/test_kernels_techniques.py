@@ -35,6 +35,7 @@ SWITCHES += [
     Techniques(edge_masks=True, tma=True),
     Techniques(exp2=True, edge_masks=True, tma=True),
     Techniques(costliest_first=True),
+    dict(LADDER)["warp-specialized"],
     LADDER[-1][1],  # every switch of the forward kernel, persistent included
 ]
 SPLIT_KV_SWITCHES = [t for t in SWITCHES if t.runs_in("split_kv")]
@@ -107,7 +108,8 @@ def test_every_switch_equals_the_dense_form(case, techniques) -> None:
 
     q, k, v, settings = _case(case)
     if techniques.tma and q.shape[-1] * q.element_size() % 16:  # rows a descriptor cannot load
-        with pytest.raises(ValueError, match="techniques.tma loads k through tensor descriptors"):
+        first = "q" if techniques.warp_specialize else "k"  # the first tensor it loads so
+        with pytest.raises(ValueError, match=f"techniques.tma loads {first} through tensor"):
             attention_forward(q, k, v, techniques=techniques, **settings)
         return
     out, lse = attention_forward(q, k, v, techniques=techniques, **settings)
@@ -192,6 +194,9 @@ def test_the_ladder_climbs_one_switch_at_a_time() -> None:
     assert rungs[0] == Techniques()  # the book's first kernel
     for lower, upper in zip(rungs, rungs[1:]):
         changed = [name for name in vars(upper) if getattr(upper, name) != getattr(lower, name)]
+        if upper.persistent:  # the one exception: it cannot keep warp specialization
+            assert changed == ["persistent", "warp_specialize"] and lower.warp_specialize
+            continue
         assert len(changed) == 1 and getattr(upper, changed[0]) is True
     # every switch off compiles the first kernel: no constexpr is added
     assert Techniques().constants() == {}
@@ -228,6 +233,81 @@ def test_tma_loads_change_no_bit_and_refuse_what_a_descriptor_cannot_load() -> N
         Techniques(tma=True)
     with pytest.raises(TypeError, match="Techniques.exp2 must be a bool, got int 1"):
         Techniques(exp2=1)
+
+
+@pytest.mark.skipif(kernels.INTERPRETED is not True, reason="counts the interpreter's calls")
+@pytest.mark.parametrize("case", CASES)
+def test_warp_specialization_changes_no_bit_masks_every_tile_and_hides_what_pads_hold(
+    case, monkeypatch
+) -> None:
+    # One loop over every key tile, each through the descriptors and masked: the exp2 rung's
+    # operations on the same values, so the same bits, whatever the padding keys hold
+    from mha.kernels import attention
+
+    q, k, v, settings = _case(case)
+    specialized = dict(LADDER)["warp-specialized"]
+    if q.shape[-1] * q.element_size() % 16:  # rows a descriptor cannot load: q named first
+        with pytest.raises(ValueError, match="techniques.tma loads q through tensor descriptors"):
+            attention.attention_forward(q, k, v, techniques=specialized, **settings)
+        return
+    calls = collections.Counter()
+    original = attention._key_tile
+
+    class Counted:  # (MASKED, TMA) of each key tile of each program
+        def __getattr__(self, name):
+            return getattr(original, name)
+
+        def __call__(self, *args):
+            calls[bool(args[-3]), bool(args[-1])] += 1
+            return original(*args)
+
+    want = attention.attention_forward(q, k, v, techniques=Techniques(exp2=True), **settings)
+    monkeypatch.setattr(attention, "_key_tile", Counted())
+    attention.attention_forward(q, k, v, techniques=Techniques(exp2=True), **settings)
+    tiles = calls[True, False]
+    calls.clear()
+    got = attention.attention_forward(q, k, v, techniques=specialized, **settings)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert calls == {(True, True): tiles}  # the same tiles, every one masked, all by descriptor
+    starts = settings.get("key_start")
+    if starts is not None:  # the pads before each row's first key: NaN, hidden all the same
+        k, v = k.clone(), v.clone()
+        for b, start in enumerate(starts.tolist()):
+            k[b, :, :start], v[b, :, :start] = math.nan, math.inf
+        got = attention.attention_forward(q, k, v, techniques=specialized, **settings)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_warp_specialization_is_refused_where_it_does_not_apply() -> None:
+    from mha.kernels.attention import attention_forward, forward_launch
+
+    with pytest.raises(ValueError, match="a loop whose loads are tensor descriptors: it needs "
+                       "tma=True"):  # fmt: skip
+        Techniques(exp2=True, edge_masks=True, warp_specialize=True)
+    with pytest.raises(ValueError, match="cannot be inside persistent=True's loop"):
+        Techniques(edge_masks=True, tma=True, costliest_first=True, persistent=True,
+                   warp_specialize=True)  # fmt: skip
+    specialized = dict(LADDER)["warp-specialized"]
+    assert not specialized.runs_in("split_kv") and specialized.not_in("split_kv") == [
+        "warp_specialize"
+    ]
+    q, k, v, settings = _case(CASES[0])
+    with pytest.raises(ValueError, match="switches of the forward kernel and its backward only"):
+        kernels.triton_split_kv_attention(q[:, :, :1], k, v, techniques=specialized)
+    # q's rows through a descriptor too: a q whose rows are not 16-byte aligned is named
+    q_odd = torch.empty(1, 2, 64, 66, device=DEVICE)[..., :64].copy_(q)  # rows of 264 bytes
+    with pytest.raises(ValueError, match=r"techniques.tma loads q through tensor descriptors: "
+                       r".*got strides \(8448, 4224, 66, 1\)"):  # fmt: skip
+        attention_forward(q_odd, k, v, techniques=specialized, **settings)
+    attention_forward(q_odd, k, v, techniques=dict(LADDER)["TMA loads"], **settings)  # k, v only
+    # Triton (3.9, sm_90) specializes a kernel of one warp group only: the launch asks for 4
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device=DEVICE)
+    tiles = kernels.tiles.default_tiles("forward", 128, torch.bfloat16, (9, 0))
+    assert tiles.num_warps == 8
+    for techniques, warps in ((dict(LADDER)["TMA loads"], 8), (specialized, 4)):
+        launch = forward_launch(q, k, v, out, lse, causal=True, scale=0.125, tiles=tiles,
+                                techniques=techniques)  # fmt: skip
+        assert launch.constants["num_warps"] == warps
 
 
 def test_the_defaults_are_every_switch_off_until_measured() -> None:

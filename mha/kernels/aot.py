@@ -103,6 +103,7 @@ COUNTED = (
     "MUFU.EX2", "FMUL", "FFMA", "FADD", "FSEL", "FSETP", "ISETP",
     "LDGSTS",  # a thread's asynchronous copy, global to shared memory
     "UTMALDG",  # a tile's copy by the copy engine (TMA), sm_90 on
+    "USETMAXREG",  # a warp group's register budget set (setmaxnreg, sm_90)
 )  # fmt: skip
 #: The PTX forms of the exponential: ``tl.exp`` becomes a multiply by
 #: log2 e and ``ex2.approx.f32``; ``tl.exp2`` the flush-to-zero form.
@@ -469,6 +470,8 @@ def _inspect_one(
         row["techniques"] = [
             name for name, on in vars(techniques).items() if on
         ]
+        # the warps the build runs: warp specialization adds its own
+        row["compiled_warps"] = compiled.metadata.num_warps
         row.update(instruction_counts(sass(compiled.asm["cubin"])))
         ptx = compiled.asm["ptx"]
         row.update({k: len(p.findall(ptx)) for k, p in PTX_EXP2.items()})

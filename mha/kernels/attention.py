@@ -137,6 +137,7 @@ def _attend(
     window, HAS_WINDOW: tl.constexpr,
     q_first=0, q_last=0, EXP2: tl.constexpr = False,
     EDGE_MASKS: tl.constexpr = False, TMA: tl.constexpr = False,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):  # fmt: skip
     """The online softmax of one query tile over keys start..stop-1.
 
@@ -155,14 +156,32 @@ def _attend(
     the earliest and latest query of the tile's rows. With ``TMA`` too,
     the unmasked tiles are loaded through tensor descriptors (Hopper's
     copy engine; the last stride 1, the others and the base 16-byte
-    aligned: the caller checks).
+    aligned: the caller checks). ``WARP_SPECIALIZE`` (with ``TMA``): one
+    loop over every key tile, each loaded through the descriptors and
+    masked, handed to Triton's warp specialization.
     """
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)  # running maximum
     ell = tl.full([BLOCK_Q], 0.0, tl.float32)  # running sum of exp(s - m)
     acc = tl.full([BLOCK_Q, PADDED_DIM], 0.0, tl.float32)  # running p @ v
     if EXP2:  # base 2: exp(x) = exp2(x log2 e), folded into the scale
         scale = scale * 1.4426950408889634
-    if EDGE_MASKS:
+    if WARP_SPECIALIZE:  # a producer warp loads, the others compute
+        k_load = tl.make_tensor_descriptor(
+            k_head, shape=[stop, HEAD_DIM], strides=[stride_kt, 1],
+            block_shape=[BLOCK_K, PADDED_DIM],
+        )  # fmt: skip
+        v_load = tl.make_tensor_descriptor(
+            v_head, shape=[stop, HEAD_DIM], strides=[stride_vt, 1],
+            block_shape=[BLOCK_K, PADDED_DIM],
+        )  # fmt: skip
+        for first in tl.range(start, stop, BLOCK_K, warp_specialize=True):
+            m, ell, acc = _key_tile(
+                m, ell, acc, q, k_load, v_load, rows, dims, first, stop,
+                offset, key_start, scale, stride_kt, stride_kd, stride_vt,
+                stride_vd, CAUSAL, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
+                HAS_KEY_START, window, HAS_WINDOW, True, EXP2, True,
+            )  # fmt: skip
+    elif EDGE_MASKS:
         # [start, lo): padding or the window's start, masked; [lo, hi):
         # whole tiles every row sees, unmasked; [hi, stop): the diagonal
         # and the ragged tail, masked
@@ -236,7 +255,7 @@ def _key_tile(
     """The key tile first..first + BLOCK_K - 1 into the running ``m``,
     ``ell``, ``acc``; without ``MASKED`` every row sees every key of the
     tile (nothing masked but the head size's padding). With ``TMA``
-    ``k_head`` and ``v_head`` are tensor descriptors (unmasked tiles)."""
+    ``k_head`` and ``v_head`` are tensor descriptors."""
     cols = first + tl.arange(0, BLOCK_K)  # key positions
     if not TMA:
         k_tile = _tile(k_head, cols, dims, stride_kt, stride_kd)
@@ -245,9 +264,15 @@ def _key_tile(
         visible = cols < stop  # (B_k,)
         if HAS_KEY_START:  # left padding: keys before key_start hidden
             visible = visible & (cols >= key_start)
-        exists = visible[:, None] & (dims[None, :] < HEAD_DIM)
-        k = tl.load(k_tile, exists, 0.0)  # (B_k, d_k), padding reads 0
-        v = tl.load(v_tile, exists, 0.0)  # (B_k, d_v)
+        if TMA:  # the descriptors read 0 past stop and past HEAD_DIM
+            k = k_head.load([first, 0])
+            v = v_head.load([first, 0])
+            if HAS_KEY_START:  # pads may hold anything, inf and NaN too:
+                v = tl.where(visible[:, None], v, 0.0)  # 0 * NaN is NaN
+        else:
+            exists = visible[:, None] & (dims[None, :] < HEAD_DIM)
+            k = tl.load(k_tile, exists, 0.0)  # (B_k, d_k), padding reads 0
+            v = tl.load(v_tile, exists, 0.0)  # (B_k, d_v)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if not EXP2:  # scaled here; with EXP2 in the step's multiply-add
             scores = scores * scale
@@ -349,6 +374,7 @@ def _forward_kernel(
     TMA: tl.constexpr = False,
     COSTLIEST_FIRST: tl.constexpr = False,
     batch=None, PERSISTENT: tl.constexpr = False,  # B, with PERSISTENT
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):  # fmt: skip
     """One program: the output rows of one query tile of one (batch, head).
 
@@ -382,7 +408,7 @@ def _forward_kernel(
                     num_heads, group, t_q, t_k, scale,
                     CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM,
                     PRECISION, HAS_KEY_START, Sinks, HAS_SINKS, window,
-                    HAS_WINDOW, EXP2, EDGE_MASKS, TMA,
+                    HAS_WINDOW, EXP2, EDGE_MASKS, TMA, WARP_SPECIALIZE,
                 )  # fmt: skip
     else:
         q_block, batch_head = tl.program_id(0), tl.program_id(1)
@@ -398,7 +424,7 @@ def _forward_kernel(
             num_heads, group, t_q, t_k, scale,
             CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
             HAS_KEY_START, Sinks, HAS_SINKS, window, HAS_WINDOW,
-            EXP2, EDGE_MASKS, TMA,
+            EXP2, EDGE_MASKS, TMA, WARP_SPECIALIZE,
         )  # fmt: skip
 
 
@@ -416,6 +442,7 @@ def _forward_tile(
     PRECISION: tl.constexpr, HAS_KEY_START: tl.constexpr,
     Sinks, HAS_SINKS: tl.constexpr, window, HAS_WINDOW: tl.constexpr,
     EXP2: tl.constexpr, EDGE_MASKS: tl.constexpr, TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):  # fmt: skip
     """The output rows and logsumexps of query tile ``q_block`` of
     ``batch_head`` (b * H + h)."""
@@ -427,7 +454,13 @@ def _forward_tile(
     rows = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)  # query positions
     dims = tl.arange(0, PADDED_DIM)  # d_k, padded to a power of two
     real = (rows[:, None] < t_q) & (dims[None, :] < HEAD_DIM)
-    q = tl.load(_tile(q_head, rows, dims, stride_qt, stride_qd), real, 0.0)
+    if WARP_SPECIALIZE:  # every load a descriptor's, or Triton does not
+        q = tl.make_tensor_descriptor(  # specialize the loop
+            q_head, shape=[t_q, HEAD_DIM], strides=[stride_qt, 1],
+            block_shape=[BLOCK_Q, PADDED_DIM],
+        ).load([q_block * BLOCK_Q, 0])  # fmt: skip
+    else:
+        q = tl.load(_tile(q_head, rows, dims, stride_qt, stride_qd), real, 0.0)
     offset = t_k - t_q  # query i is the token at position i + offset
     stop = t_k
     if CAUSAL:  # key tiles after the tile's last query: skipped
@@ -446,6 +479,7 @@ def _forward_tile(
         CAUSAL, BLOCK_Q, BLOCK_K, HEAD_DIM, PADDED_DIM, PRECISION,
         HAS_KEY_START, window, HAS_WINDOW, q_block * BLOCK_Q,
         q_block * BLOCK_Q + BLOCK_Q - 1, EXP2, EDGE_MASKS, TMA,
+        WARP_SPECIALIZE,
     )  # fmt: skip
     if HAS_SINKS:
         sink = tl.load(Sinks + h).to(tl.float32)
@@ -791,6 +825,10 @@ def forward_launch(
         grid = (min(items, persistent_programs(
             _multiprocessors(q.device), tiles.num_warps)),)  # fmt: skip
         constants.update(batch=batch)
+    if techniques is not None and techniques.warp_specialize:
+        # Triton (3.9, sm_90) specializes the loop of a kernel of one warp
+        # group only: with 8 warps it leaves the loop as it is
+        constants.update(num_warps=4)
     return Launch(_forward_kernel, grid, args, constants)
 
 
@@ -1034,17 +1072,20 @@ def _techniques(q: Tensor, techniques: object, k=None, v=None) -> Techniques:
     program writes its tensor descriptors."""
     if check_techniques(techniques) is None:
         techniques = default_techniques(capability_of(q.device))
-    if techniques.tma:
-        _check_tma_layout(k, v)
+    if techniques.tma:  # with warp_specialize, q's tile through one too
+        _check_tma_layout(
+            {"q": q, "k": k, "v": v} if techniques.warp_specialize
+            else {"k": k, "v": v}
+        )  # fmt: skip
         if not INTERPRETED:
             triton.set_allocator(_scratch)
     return techniques
 
 
-def _check_tma_layout(k: Tensor, v: Tensor) -> None:
+def _check_tma_layout(tensors: dict[str, Tensor]) -> None:
     """A tensor descriptor's rules: the last stride 1, the other strides
     and each head's first element at multiples of 16 bytes."""
-    for name, t in (("k", k), ("v", v)):
+    for name, t in tensors.items():
         size = t.element_size()
         if t.stride(-1) != 1 or any(
             stride * size % 16 for stride in t.stride()[:-1]

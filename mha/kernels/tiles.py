@@ -89,6 +89,14 @@ class Techniques:
       looping over its share of the (query tile, batch, head) items, dealt
       costliest first in snake order (:func:`persistent_items`): a causal
       pass's work spread evenly without a launch per tile.
+    * ``warp_specialize`` (``forward``, with ``tma``, not with
+      ``persistent``): the loop over key tiles handed to Triton's warp
+      specialization, which gives the copy engine's loads to a producer
+      warp and the products and the softmax to consumer warps, each with
+      its own registers (Hopper's ``setmaxnreg``). Triton specializes a
+      loop whose loads are all tensor descriptors and that no other loop
+      of the kernel feeds, so the edges' loops are folded back into one:
+      every key tile through the copy engine, every tile masked.
     * ``split_group`` (the backward of ``forward``): dk and dv computed by
       one program per key tile of each *query* head, not of each key/value
       head, into float32 shares summed over each GQA group afterwards: G
@@ -102,6 +110,7 @@ class Techniques:
     pack_group: bool = False
     costliest_first: bool = False
     persistent: bool = False
+    warp_specialize: bool = False
     split_group: bool = False
 
     def __post_init__(self) -> None:
@@ -120,6 +129,16 @@ class Techniques:
             raise ValueError(
                 "Techniques(persistent=True) deals the items costliest "
                 "first: it needs costliest_first=True"
+            )
+        if self.warp_specialize and not self.tma:
+            raise ValueError(
+                "Techniques(warp_specialize=True) specializes a loop whose "
+                "loads are tensor descriptors: it needs tma=True"
+            )
+        if self.warp_specialize and self.persistent:
+            raise ValueError(
+                "Techniques(warp_specialize=True) specializes the only loop "
+                "of the kernel: it cannot be inside persistent=True's loop"
             )
 
     def not_in(self, kernel: str) -> list[str]:
@@ -147,6 +166,7 @@ class Techniques:
                 ("TMA", self.tma),
                 ("COSTLIEST_FIRST", self.costliest_first),
                 ("PERSISTENT", self.persistent),
+                ("WARP_SPECIALIZE", self.warp_specialize),
             )
             if on
         }
@@ -160,20 +180,32 @@ _SWITCHES_OF = {
     "pack_group": ("split_kv",),
     "costliest_first": ("forward",),
     "persistent": ("forward",),
+    "warp_specialize": ("forward",),
     "split_group": ("forward",),
 }
 
 #: The ladder: from the book's first kernel, one technique more per rung
 #: (``python -m mha.bench.gpu`` times each rung; the compiler report shows
-#: what each changes).
+#: what each changes). The last rung trades warp specialization for the
+#: persistent loop: Triton leaves a loop inside another unspecialized.
 LADDER = (
     ("first kernel", Techniques()),
     ("exp2, scale folded", Techniques(exp2=True)),
     ("masks at the edges only", Techniques(exp2=True, edge_masks=True)),
     ("TMA loads", Techniques(exp2=True, edge_masks=True, tma=True)),
     (
+        "warp-specialized",
+        Techniques(exp2=True, edge_masks=True, tma=True, warp_specialize=True),
+    ),
+    (
         "costliest tiles first",
-        Techniques(exp2=True, edge_masks=True, tma=True, costliest_first=True),
+        Techniques(
+            exp2=True,
+            edge_masks=True,
+            tma=True,
+            warp_specialize=True,
+            costliest_first=True,
+        ),
     ),
     (
         "persistent, balanced",
