@@ -286,13 +286,13 @@ def test_committed_ladder_shows_what_each_technique_changes() -> None:
     # exp2 with the scale folded makes one multiply-add of "times the scale, minus the maximum"
     # (more FFMA, fewer FMUL and FADD) and no exponential more; masks at the edges only add a
     # second copy of the loop's body (twice the exponentials and tensor-core products in the
-    # code, which still runs each tile once). Warp specialization (the forward kernel) folds
+    # code, which still runs each tile once). Warp specialisation (the forward kernel) folds
     # the loops back into one, every load through the copy engine, on 4 warps that Triton joins
     # with warps of its own, each group with its register budget (USETMAXREG): one tile's
     # exponentials and products shared by 4 warps, where the exp2 rung shares them by its own.
     # The schedule's rungs change which tiles a program computes, not how: the loop's body, its
     # exponentials and tensor-core products, as the rung below's (the persistent rung: as the
-    # TMA rung's, as it cannot keep warp specialization). Persistence keeps a loop over items
+    # TMA rung's, as it cannot keep warp specialisation). Persistence keeps a loop over items
     # live around that body: its registers are reported as they come (at d_k 64 causal it
     # reaches the 255 a thread may have and spills); every other build must not spill.
     from mha.kernels.tiles import LADDER

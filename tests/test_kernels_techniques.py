@@ -35,7 +35,7 @@ SWITCHES += [
     Techniques(edge_masks=True, tma=True),
     Techniques(exp2=True, edge_masks=True, tma=True),
     Techniques(costliest_first=True),
-    dict(LADDER)["warp-specialized"],
+    dict(LADDER)["warp-specialised"],
     LADDER[-1][1],  # every switch of the forward kernel, persistent included
 ]
 SPLIT_KV_SWITCHES = [t for t in SWITCHES if t.runs_in("split_kv")]
@@ -194,7 +194,7 @@ def test_the_ladder_climbs_one_switch_at_a_time() -> None:
     assert rungs[0] == Techniques()  # the book's first kernel
     for lower, upper in zip(rungs, rungs[1:]):
         changed = [name for name in vars(upper) if getattr(upper, name) != getattr(lower, name)]
-        if upper.persistent:  # the one exception: it cannot keep warp specialization
+        if upper.persistent:  # the one exception: it cannot keep warp specialisation
             assert changed == ["persistent", "warp_specialize"] and lower.warp_specialize
             continue
         assert len(changed) == 1 and getattr(upper, changed[0]) is True
@@ -237,7 +237,7 @@ def test_tma_loads_change_no_bit_and_refuse_what_a_descriptor_cannot_load() -> N
 
 @pytest.mark.skipif(kernels.INTERPRETED is not True, reason="counts the interpreter's calls")
 @pytest.mark.parametrize("case", CASES)
-def test_warp_specialization_changes_no_bit_masks_every_tile_and_hides_what_pads_hold(
+def test_warp_specialisation_changes_no_bit_masks_every_tile_and_hides_what_pads_hold(
     case, monkeypatch
 ) -> None:
     # One loop over every key tile, each through the descriptors and masked: the exp2 rung's
@@ -245,7 +245,7 @@ def test_warp_specialization_changes_no_bit_masks_every_tile_and_hides_what_pads
     from mha.kernels import attention
 
     q, k, v, settings = _case(case)
-    specialized = dict(LADDER)["warp-specialized"]
+    specialized = dict(LADDER)["warp-specialised"]
     if q.shape[-1] * q.element_size() % 16:  # rows a descriptor cannot load: q named first
         with pytest.raises(ValueError, match="techniques.tma loads q through tensor descriptors"):
             attention.attention_forward(q, k, v, techniques=specialized, **settings)
@@ -278,7 +278,7 @@ def test_warp_specialization_changes_no_bit_masks_every_tile_and_hides_what_pads
         assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
-def test_warp_specialization_is_refused_where_it_does_not_apply() -> None:
+def test_warp_specialisation_is_refused_where_it_does_not_apply() -> None:
     from mha.kernels.attention import attention_forward, forward_launch
 
     with pytest.raises(ValueError, match="a loop whose loads are tensor descriptors: it needs "
@@ -287,7 +287,7 @@ def test_warp_specialization_is_refused_where_it_does_not_apply() -> None:
     with pytest.raises(ValueError, match="cannot be inside persistent=True's loop"):
         Techniques(edge_masks=True, tma=True, costliest_first=True, persistent=True,
                    warp_specialize=True)  # fmt: skip
-    specialized = dict(LADDER)["warp-specialized"]
+    specialized = dict(LADDER)["warp-specialised"]
     assert not specialized.runs_in("split_kv") and specialized.not_in("split_kv") == [
         "warp_specialize"
     ]
@@ -300,7 +300,7 @@ def test_warp_specialization_is_refused_where_it_does_not_apply() -> None:
                        r".*got strides \(8448, 4224, 66, 1\)"):  # fmt: skip
         attention_forward(q_odd, k, v, techniques=specialized, **settings)
     attention_forward(q_odd, k, v, techniques=dict(LADDER)["TMA loads"], **settings)  # k, v only
-    # Triton (3.9, sm_90) specializes a kernel of one warp group only: the launch asks for 4
+    # Triton (3.9, sm_90) specialises a kernel of one warp group only: the launch asks for 4
     out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device=DEVICE)
     tiles = kernels.tiles.default_tiles("forward", 128, torch.bfloat16, (9, 0))
     assert tiles.num_warps == 8

@@ -470,7 +470,7 @@ def _inspect_one(
         row["techniques"] = [
             name for name, on in vars(techniques).items() if on
         ]
-        # the warps the build runs: warp specialization adds its own
+        # the warps the build runs: warp specialisation adds its own
         row["compiled_warps"] = compiled.metadata.num_warps
         row.update(instruction_counts(sass(compiled.asm["cubin"])))
         ptx = compiled.asm["ptx"]

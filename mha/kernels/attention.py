@@ -158,7 +158,7 @@ def _attend(
     copy engine; the last stride 1, the others and the base 16-byte
     aligned: the caller checks). ``WARP_SPECIALIZE`` (with ``TMA``): one
     loop over every key tile, each loaded through the descriptors and
-    masked, handed to Triton's warp specialization.
+    masked, handed to Triton's warp specialisation.
     """
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)  # running maximum
     ell = tl.full([BLOCK_Q], 0.0, tl.float32)  # running sum of exp(s - m)
@@ -455,7 +455,7 @@ def _forward_tile(
     dims = tl.arange(0, PADDED_DIM)  # d_k, padded to a power of two
     real = (rows[:, None] < t_q) & (dims[None, :] < HEAD_DIM)
     if WARP_SPECIALIZE:  # every load a descriptor's, or Triton does not
-        q = tl.make_tensor_descriptor(  # specialize the loop
+        q = tl.make_tensor_descriptor(  # specialise the loop
             q_head, shape=[t_q, HEAD_DIM], strides=[stride_qt, 1],
             block_shape=[BLOCK_Q, PADDED_DIM],
         ).load([q_block * BLOCK_Q, 0])  # fmt: skip
@@ -826,7 +826,7 @@ def forward_launch(
             _multiprocessors(q.device), tiles.num_warps)),)  # fmt: skip
         constants.update(batch=batch)
     if techniques is not None and techniques.warp_specialize:
-        # Triton (3.9, sm_90) specializes the loop of a kernel of one warp
+        # Triton (3.9, sm_90) specialises the loop of a kernel of one warp
         # group only: with 8 warps it leaves the loop as it is
         constants.update(num_warps=4)
     return Launch(_forward_kernel, grid, args, constants)

@@ -91,9 +91,9 @@ class Techniques:
       pass's work spread evenly without a launch per tile.
     * ``warp_specialize`` (``forward``, with ``tma``, not with
       ``persistent``): the loop over key tiles handed to Triton's warp
-      specialization, which gives the copy engine's loads to a producer
+      specialisation, which gives the copy engine's loads to a producer
       warp and the products and the softmax to consumer warps, each with
-      its own registers (Hopper's ``setmaxnreg``). Triton specializes a
+      its own registers (Hopper's ``setmaxnreg``). Triton specialises a
       loop whose loads are all tensor descriptors and that no other loop
       of the kernel feeds, so the edges' loops are folded back into one:
       every key tile through the copy engine, every tile masked.
@@ -132,12 +132,12 @@ class Techniques:
             )
         if self.warp_specialize and not self.tma:
             raise ValueError(
-                "Techniques(warp_specialize=True) specializes a loop whose "
+                "Techniques(warp_specialize=True) specialises a loop whose "
                 "loads are tensor descriptors: it needs tma=True"
             )
         if self.warp_specialize and self.persistent:
             raise ValueError(
-                "Techniques(warp_specialize=True) specializes the only loop "
+                "Techniques(warp_specialize=True) specialises the only loop "
                 "of the kernel: it cannot be inside persistent=True's loop"
             )
 
@@ -186,15 +186,15 @@ _SWITCHES_OF = {
 
 #: The ladder: from the book's first kernel, one technique more per rung
 #: (``python -m mha.bench.gpu`` times each rung; the compiler report shows
-#: what each changes). The last rung trades warp specialization for the
-#: persistent loop: Triton leaves a loop inside another unspecialized.
+#: what each changes). The last rung trades warp specialisation for the
+#: persistent loop: Triton leaves a loop inside another unspecialised.
 LADDER = (
     ("first kernel", Techniques()),
     ("exp2, scale folded", Techniques(exp2=True)),
     ("masks at the edges only", Techniques(exp2=True, edge_masks=True)),
     ("TMA loads", Techniques(exp2=True, edge_masks=True, tma=True)),
     (
-        "warp-specialized",
+        "warp-specialised",
         Techniques(exp2=True, edge_masks=True, tma=True, warp_specialize=True),
     ),
     (
