@@ -14,12 +14,12 @@ own checks run them in the interpreter, never on a GPU. Importing this
 package never fails: not where Triton is missing, not where there is no GPU.
 
 :class:`Techniques` switches the kernels' techniques (exp2 with the scale
-folded, masks on the edge tiles only, TMA loads, a persistent and causally
-balanced schedule; a GQA group packed in the split-KV kernel's tile; a GQA
-group's dk and dv split over programs in the backward), each off until a
-GPU measurement shows it pays; :data:`LADDER` climbs from the first kernel
-one technique per rung, and ``python -m mha.kernels --inspect --ladder``
-compiles every rung.
+folded, masks on the edge tiles only, TMA loads, Triton's warp
+specialisation, a persistent and causally balanced schedule; a GQA group
+packed in the split-KV kernel's tile; a GQA group's dk and dv split over
+programs in the backward), each off until a GPU measurement shows it pays;
+:data:`LADDER` climbs from the first kernel one technique per rung, and
+``python -m mha.kernels --inspect --ladder`` compiles every rung.
 
 Compiled or interpreted? Triton decides when ``@triton.jit`` decorates a
 kernel, which happens when :mod:`mha.kernels.attention` is first imported:
