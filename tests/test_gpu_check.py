@@ -45,6 +45,8 @@ TOY_PARTS = ["attention", "decode", "model", "engine", "ladder"]
     not torch.cuda.is_available(), reason="no GPU here: the toy parts run in this process"
 )
 def test_the_toy_parts_in_a_process_that_sees_no_gpu() -> None:
+    if (problem := kernels.interpreter_problem()) is not None:  # this machine's own Triton
+        pytest.skip(f"the toy parts need Triton's interpreter: {problem}")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
     here = Path(__file__)  # run from the repository's root, where ``mha`` is imported from
     ids = [f"{here.parent.name}/{here.name}::test_the_{part}_part" for part in TOY_PARTS]

@@ -460,6 +460,29 @@ else:
 """
 
 
+def test_an_interpreter_that_cannot_run_the_kernels_is_named(monkeypatch) -> None:
+    # Each pair run here on the forward kernel: the interpreters of Triton 3.4, 3.5 and 3.6
+    # fail under NumPy 2.4.6 ("only 0-dimensional arrays can be converted to Python scalars")
+    # and run under NumPy 2.3.5; those of Triton 3.7, 3.8 and 3.9 run under NumPy 2.4.6.
+    for triton_version in ("3.4.0", "3.5.0", "3.6.0"):
+        problem = kernels.interpreter_problem(triton_version, "2.4.6")
+        assert problem == (
+            f"Triton {triton_version}'s interpreter cannot run these kernels with NumPy 2.4.6: "
+            "it turns one-element arrays into Python integers, which NumPy 2.4 refuses; install "
+            "triton 3.7 or later (this project pins 3.9.0) or numpy older than 2.4"
+        )
+        assert kernels.interpreter_problem(triton_version, "2.3.5") is None
+        assert kernels.interpreter_problem(triton_version, "2.5.0rc1") is not None
+    for triton_version in ("3.7.0", "3.8.0", "3.9.0", "3.10.0"):
+        assert kernels.interpreter_problem(triton_version, "2.4.6") is None
+    if kernels.INTERPRETED:  # the kernels refuse to start, by name, before Triton fails
+        monkeypatch.setattr(kernels.triton, "__version__", "3.6.0")
+        monkeypatch.setattr(np, "__version__", "2.4.6")
+        q = torch.randn(1, 1, 4, 8)
+        with pytest.raises(RuntimeError, match="Triton 3.6.0's interpreter cannot run"):
+            kernels.triton_attention(q, q, q)
+
+
 CHOSEN = "before mha.kernels chose Triton's interpreter (it sets TRITON_INTERPRET=1 where"
 SET = "before TRITON_INTERPRET=1 was set, by `import triton`"
 

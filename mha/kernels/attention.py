@@ -77,7 +77,7 @@ from .._validate import (
     check_tensor,
     check_window,
 )
-from . import INTERPRETED, MAX_HEAD_DIM
+from . import INTERPRETED, MAX_HEAD_DIM, interpreter_problem
 from .tiles import (
     H100_MULTIPROCESSORS,
     KERNELS,
@@ -1240,6 +1240,8 @@ def check_runs_here(q: Tensor) -> None:
             "bfloat16 runs on a GPU only: tl.dot in bfloat16 is wrong in "
             "Triton's interpreter (TRITON_INTERPRET=1)"
         )
+    if INTERPRETED and (problem := interpreter_problem()) is not None:
+        raise RuntimeError(problem)
     if not INTERPRETED and q.device.type != "cuda":
         raise ValueError(
             f"the compiled kernels need CUDA tensors, got {q.device}; set "
