@@ -414,23 +414,25 @@ def _watch(launches: Launches, kernel: str, bands: list[Band]) -> Iterator:
     store = builder.create_masked_store
     atomic = builder.create_atomic_rmw
 
-    def masked_load(ptrs, mask, other, cache_policy, is_volatile):
+    # the cache and eviction settings that follow (their number differs
+    # between Triton's versions: 3.9 has one, 3.6 to 3.8 two) pass through
+    def masked_load(ptrs, mask, other, *settings):
         far = check("load", ptrs, mask)
         if far is not None:
             mask = refused(mask, far, ptrs.data.shape)
-        return load(ptrs, mask, other, cache_policy, is_volatile)
+        return load(ptrs, mask, other, *settings)
 
-    def masked_store(ptrs, value, mask, cache_policy):
+    def masked_store(ptrs, value, mask, *settings):
         far = check("store", ptrs, mask)
         if far is not None:
             mask = refused(mask, far, ptrs.data.shape)
-        return store(ptrs, value, mask, cache_policy)
+        return store(ptrs, value, mask, *settings)
 
-    def atomic_rmw(op, ptrs, value, mask, sem, scope):
+    def atomic_rmw(op, ptrs, value, mask, *settings):
         far = check("store", ptrs, mask)
         if far is not None:
             mask = refused(mask, far, ptrs.data.shape)
-        return atomic(op, ptrs, value, mask, sem, scope)
+        return atomic(op, ptrs, value, mask, *settings)
 
     builder.create_masked_load = masked_load
     builder.create_masked_store = masked_store
