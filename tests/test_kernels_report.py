@@ -249,7 +249,12 @@ def test_shared_memory_beyond_the_limit_is_flagged():
 def test_spills_are_flagged_and_the_registers_figure_explained():
     x = torch.randn(2, 8192)
     few, most = kernels.compile_report(wide_softmaxes, x, archs=("sm_80",))
-    for row in (few, most):
+    if few["spill_bytes"] == 0 and triton.__version__ != "3.9.0":
+        # the ptxas of an older Triton (3.6's, seen) keeps 128 values a thread in registers
+        # (232 of them): no warning; the pinned Triton's spills, as below
+        assert few["warnings"] == [] and few["registers"] < 255
+        few = None
+    for row in (few, most) if few else (most,):
         assert row["num_warps"] == 1 and row["register_limit"] == 255
         assert row["spill_bytes"] > 0 and row["stack_bytes"] > 0
         spills, registers = row["warnings"]
@@ -257,18 +262,20 @@ def test_spills_are_flagged_and_the_registers_figure_explained():
             f"spills {row['spill_bytes']} bytes to local memory (spill stores and loads; "
             f"{row['stack_bytes']} bytes of stack per thread)"
         )
-    # 128 values per thread: ptxas uses every register a thread may have, and spills a little
-    assert few["registers"] == 255
-    assert few["warnings"][1] == (
-        "registers: 255 is the limit ptxas hit (255, the most any thread may have), not what "
-        "the code needs: it needs more, and the rest spilled"
-    )
     # 256 values per thread: ptxas keeps most in local memory and counts far fewer registers
-    assert most["spill_bytes"] > 100 * few["spill_bytes"] and most["registers"] < 255
+    assert most["registers"] < 255
     assert most["warnings"][1] == (
         f"registers: {most['registers']} is not what the code needs: spilling this much, ptxas "
         "kept most values in local memory and counts only the registers it still uses, fewer "
         "than the limit (255, the most any thread may have)"
+    )
+    if few is None:
+        return
+    # 128 values per thread: ptxas uses every register a thread may have, and spills a little
+    assert few["registers"] == 255 and most["spill_bytes"] > 100 * few["spill_bytes"]
+    assert few["warnings"][1] == (
+        "registers: 255 is the limit ptxas hit (255, the most any thread may have), not what "
+        "the code needs: it needs more, and the rest spilled"
     )
     printed = kernels.format_report([few, most]).splitlines()
     assert printed[0].split() == (

@@ -28,6 +28,8 @@ mha.kernels --inspect`` starts one.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import subprocess
 import tempfile
@@ -261,7 +263,20 @@ def compile_launch(launch, capability: int):
     )
     source = ASTSource(fn, signature, constexprs, attrs)
     target = GPUTarget("cuda", capability, 32)
-    return triton.compile(source, target=target, options=options.__dict__)
+    # compiled afresh, ptxas's own report of this build kept (registers,
+    # stack, spills): ptxas's flags and which ptxas vary with Triton's
+    # version, so its report is read, not made again
+    log = io.StringIO()
+    knobs = triton.knobs
+    with knobs.compilation.scope(), knobs.nvidia.scope():
+        knobs.compilation.always_compile = True
+        knobs.nvidia.dump_ptxas_log = True
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(
+                source, target=target, options=options.__dict__
+            )
+    compiled.ptxas_log = log.getvalue()
+    return compiled
 
 
 def _tool(name: str, *args: str) -> str:
@@ -321,25 +336,10 @@ def instruction_counts(code: str) -> dict:
 def read_build(compiled, arch: str) -> dict:
     """Registers, stack, spills, shared memory, tensor-core instructions."""
     with tempfile.TemporaryDirectory() as folder:
-        cubin, ptx = Path(folder) / "k.cubin", Path(folder) / "k.ptx"
+        cubin = Path(folder) / "k.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        ptx.write_text(compiled.asm["ptx"])
         usage = _tool("cuobjdump", "-res-usage", str(cubin))
-        # ptxas again, with Triton's own flags (compiler.py, make_cubin)
-        gpu = "sm_90a" if arch == "sm_90" else arch
-        ptxas = "ptxas_blackwell" if arch == "sm_90" else "ptxas"
-        fmad = [] if compiled.metadata.enable_fp_fusion else ["--fmad=false"]
-        log = _tool(
-            ptxas,
-            "-lineinfo",
-            *fmad,
-            "-v",
-            "--regAllocOptLevel=2",
-            f"--gpu-name={gpu}",
-            str(ptx),
-            "-o",
-            str(Path(folder) / "x"),
-        )
+        log = compiled.ptxas_log  # the report of the ptxas that made it
         code = _tool("cuobjdump", "-sass", str(cubin))
     registers = _number(r"REG:(\d+)", usage)
     stack = _number(r"STACK:(\d+)", usage)
