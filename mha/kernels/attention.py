@@ -264,15 +264,15 @@ def _key_tile(
         visible = cols < stop  # (B_k,)
         if HAS_KEY_START:  # left padding: keys before key_start hidden
             visible = visible & (cols >= key_start)
-        if TMA:  # the descriptors read 0 past stop and past HEAD_DIM
+        exists = visible[:, None] & (dims[None, :] < HEAD_DIM)
+        if not TMA:
+            k = tl.load(k_tile, exists, 0.0)  # (B_k, d_k), padding reads 0
+            v = tl.load(v_tile, exists, 0.0)  # (B_k, d_v)
+        else:  # the descriptors read 0 past stop and past HEAD_DIM
             k = k_head.load([first, 0])
             v = v_head.load([first, 0])
             if HAS_KEY_START:  # pads may hold anything, inf and NaN too:
                 v = tl.where(visible[:, None], v, 0.0)  # 0 * NaN is NaN
-        else:
-            exists = visible[:, None] & (dims[None, :] < HEAD_DIM)
-            k = tl.load(k_tile, exists, 0.0)  # (B_k, d_k), padding reads 0
-            v = tl.load(v_tile, exists, 0.0)  # (B_k, d_v)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if not EXP2:  # scaled here; with EXP2 in the step's multiply-add
             scores = scores * scale
