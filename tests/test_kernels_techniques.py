@@ -135,24 +135,32 @@ def test_every_switch_in_the_split_kv_kernel(techniques) -> None:
         assert (out.cpu().double() - want).abs().max() < 1e-5, case
 
 
+def _count_key_tiles(monkeypatch, key) -> collections.Counter:
+    """Every key tile of every program from now on, counted by ``key(MASKED, TMA)``."""
+    from mha.kernels import attention
+
+    calls = collections.Counter()
+    original = attention._key_tile
+
+    class Counted:
+        def __getattr__(self, name):
+            return getattr(original, name)
+
+        def __call__(self, *args):  # ..., MASKED, EXP2, TMA
+            calls[key(bool(args[-3]), bool(args[-1]))] += 1
+            return original(*args)
+
+    monkeypatch.setattr(attention, "_key_tile", Counted())
+    return calls
+
+
 @pytest.mark.skipif(kernels.INTERPRETED is not True, reason="counts the interpreter's calls")
 @pytest.mark.parametrize("case", CASES)
 def test_masks_at_the_edges_change_no_bit_and_mask_only_the_edges(case, monkeypatch) -> None:
     from mha.kernels import attention
 
     q, k, v, settings = _case(case)
-    calls = collections.Counter()
-    original = attention._key_tile
-
-    class Counted:  # counts each key tile of each program, masked or not
-        def __getattr__(self, name):
-            return getattr(original, name)
-
-        def __call__(self, *args):
-            calls[bool(args[-3])] += 1  # MASKED, then EXP2 and TMA
-            return original(*args)
-
-    monkeypatch.setattr(attention, "_key_tile", Counted())
+    calls = _count_key_tiles(monkeypatch, lambda masked, tma: masked)
     first, _ = attention.attention_forward(q, k, v, **settings)
     every = calls.copy()
     assert set(every) == {True}  # the first kernel masks every tile
@@ -250,19 +258,8 @@ def test_warp_specialisation_changes_no_bit_masks_every_tile_and_hides_what_pads
         with pytest.raises(ValueError, match="techniques.tma loads q through tensor descriptors"):
             attention.attention_forward(q, k, v, techniques=specialized, **settings)
         return
-    calls = collections.Counter()
-    original = attention._key_tile
-
-    class Counted:  # (MASKED, TMA) of each key tile of each program
-        def __getattr__(self, name):
-            return getattr(original, name)
-
-        def __call__(self, *args):
-            calls[bool(args[-3]), bool(args[-1])] += 1
-            return original(*args)
-
     want = attention.attention_forward(q, k, v, techniques=Techniques(exp2=True), **settings)
-    monkeypatch.setattr(attention, "_key_tile", Counted())
+    calls = _count_key_tiles(monkeypatch, lambda masked, tma: (masked, tma))
     attention.attention_forward(q, k, v, techniques=Techniques(exp2=True), **settings)
     tiles = calls[True, False]
     calls.clear()

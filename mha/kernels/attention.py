@@ -166,13 +166,9 @@ def _attend(
     if EXP2:  # base 2: exp(x) = exp2(x log2 e), folded into the scale
         scale = scale * 1.4426950408889634
     if WARP_SPECIALIZE:  # a producer warp loads, the others compute
-        k_load = tl.make_tensor_descriptor(
-            k_head, shape=[stop, HEAD_DIM], strides=[stride_kt, 1],
-            block_shape=[BLOCK_K, PADDED_DIM],
-        )  # fmt: skip
-        v_load = tl.make_tensor_descriptor(
-            v_head, shape=[stop, HEAD_DIM], strides=[stride_vt, 1],
-            block_shape=[BLOCK_K, PADDED_DIM],
+        k_load, v_load = _descriptors(
+            k_head, v_head, stop, stride_kt, stride_vt, BLOCK_K, HEAD_DIM,
+            PADDED_DIM,
         )  # fmt: skip
         for first in tl.range(start, stop, BLOCK_K, warp_specialize=True):
             m, ell, acc = _key_tile(
@@ -203,13 +199,9 @@ def _attend(
         # and spilling with it, 238 without)
         k_load, v_load = k_head, v_head  # the unmasked tiles': pointers,
         if TMA:  # or tensor descriptors (dims past HEAD_DIM read 0)
-            k_load = tl.make_tensor_descriptor(
-                k_head, shape=[stop, HEAD_DIM], strides=[stride_kt, 1],
-                block_shape=[BLOCK_K, PADDED_DIM],
-            )  # fmt: skip
-            v_load = tl.make_tensor_descriptor(
-                v_head, shape=[stop, HEAD_DIM], strides=[stride_vt, 1],
-                block_shape=[BLOCK_K, PADDED_DIM],
+            k_load, v_load = _descriptors(
+                k_head, v_head, stop, stride_kt, stride_vt, BLOCK_K,
+                HEAD_DIM, PADDED_DIM,
             )  # fmt: skip
         for first in tl.range(start, lo, BLOCK_K, num_stages=1):
             m, ell, acc = _key_tile(
@@ -241,6 +233,24 @@ def _attend(
                 HAS_KEY_START, window, HAS_WINDOW, True, EXP2, False,
             )  # fmt: skip
     return m, ell, acc
+
+
+@triton.jit
+def _descriptors(
+    k_head, v_head, stop, stride_kt, stride_vt, BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
+):  # fmt: skip
+    """Tensor descriptors of keys 0..stop-1 of one head of k and v, read a
+    (BLOCK_K, PADDED_DIM) tile at a time (0 past stop and past HEAD_DIM)."""
+    k_load = tl.make_tensor_descriptor(
+        k_head, shape=[stop, HEAD_DIM], strides=[stride_kt, 1],
+        block_shape=[BLOCK_K, PADDED_DIM],
+    )  # fmt: skip
+    v_load = tl.make_tensor_descriptor(
+        v_head, shape=[stop, HEAD_DIM], strides=[stride_vt, 1],
+        block_shape=[BLOCK_K, PADDED_DIM],
+    )  # fmt: skip
+    return k_load, v_load
 
 
 @triton.jit
