@@ -9,6 +9,7 @@ import datetime as _dt
 import os
 import platform
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,54 @@ import numpy as np
 import torch
 
 __all__ = ["device_name", "environment", "describe", "git_commit"]
-__all__ += ["load_average"]
+__all__ += ["load_average", "interpreter_problem"]
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(3, 6) of "3.6.0", (2, 4) of "2.4.0rc1": major and minor."""
+    major, minor = (version.split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def _triton_version() -> str | None:
+    """The Triton in use (imported or importable), without importing it."""
+    imported = sys.modules.get("triton")
+    if imported is not None:
+        return getattr(imported, "__version__", None)
+    try:
+        return metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def interpreter_problem(
+    triton_version: str | None = None, numpy_version: str | None = None
+) -> str | None:
+    """Why Triton's interpreter cannot run Triton kernels here, or None.
+
+    The interpreters of Triton 3.4 to 3.6 turn a one-element array into a
+    Python integer (a loop's bounds, among others), which NumPy 2.4 refuses
+    ("only 0-dimensional arrays can be converted to Python scalars"); from
+    Triton 3.7 on they do not, and with NumPy 2.3 the older ones run (each
+    pair measured on the book's forward kernel). Defaults: the versions in
+    use; None where Triton is missing. Imports neither Triton nor
+    :mod:`mha.kernels`, so that the exercise checkers can ask it too.
+    """
+    if triton_version is None:
+        triton_version = _triton_version()
+        if triton_version is None:
+            return None
+    if numpy_version is None:
+        numpy_version = np.__version__
+    old_interpreter = _release(triton_version) < (3, 7)
+    if old_interpreter and _release(numpy_version) >= (2, 4):
+        return (
+            f"Triton {triton_version}'s interpreter cannot run these kernels "
+            f"with NumPy {numpy_version}: it turns one-element arrays into "
+            "Python integers, which NumPy 2.4 refuses; install triton 3.7 or "
+            "later (this project pins 3.9.0) or numpy older than 2.4"
+        )
+    return None
 
 
 def _cpu_model() -> str:

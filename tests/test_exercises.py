@@ -882,6 +882,26 @@ def test_an_error_of_a_tensor_on_the_wrong_device_names_the_device():
     )  # fmt: skip
 
 
+def test_an_interpreter_that_cannot_run_here_is_named(monkeypatch):
+    # Triton 3.4-3.6's interpreter with NumPy 2.4: the learner's launch fails deep inside
+    import mha.environment
+
+    def launch(x, axis=-1):
+        raise TypeError("only 0-dimensional arrays can be converted to Python scalars")
+
+    monkeypatch.setattr(mha.environment, "_triton_version", lambda: "3.6.0")
+    monkeypatch.setattr(np, "__version__", "2.4.6")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert_caught(
+        ex.check_softmax, launch, 1, "only 0-dimensional arrays",
+        "Triton 3.6.0's interpreter cannot run these kernels with NumPy 2.4.6",
+        "install triton 3.7 or later", framework="torch",
+    )  # fmt: skip
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # compiled kernels: the interpreter is not named
+    message = " ".join(failure(ex.check_softmax, launch, framework="torch").split())
+    assert "only 0-dimensional arrays" in message and "interpreter" not in message, message
+
+
 def test_a_device_needs_torch_and_a_name_torch_knows():
     with pytest.raises(ValueError, match="device='cuda' needs framework='torch'"):
         ex.check_softmax(mha.softmax, device="cuda")

@@ -3,6 +3,7 @@ comparisons with the package's results, and the messages."""
 
 from __future__ import annotations
 
+import os
 import textwrap
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -171,6 +172,10 @@ class Checker:
                     "(torch.empty_like(x), or torch.empty(..., "
                     "device=x.device))."
                 )
+            if self.framework == "torch" and (
+                problem := _interpreter_problem()
+            ):
+                hints.append(problem + ".")
             raise Failed(
                 f"calling it with ({shapes}) raised "
                 f"{type(error).__name__}: {error}"
@@ -276,6 +281,16 @@ def failure(check: Callable, fn: Callable, **kwargs: Any) -> str | None:
 #: Words of the errors a tensor on the wrong device raises: Triton's, handed
 #: a CPU tensor by a kernel compiled for the GPU, and torch's.
 DEVICE_ERRORS = ("cpu tensor?", "on the same device")
+
+
+def _interpreter_problem() -> str | None:
+    """Why Triton's interpreter, if it is the one in use, cannot run a
+    learner's kernel here (:func:`mha.environment.interpreter_problem`)."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return None
+    from ..environment import interpreter_problem
+
+    return interpreter_problem()
 
 
 def kernel_device() -> str:

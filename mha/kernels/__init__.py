@@ -41,12 +41,15 @@ compiled, and an interpreted kernel that calls one fails.
 :class:`TritonImportOrderError`, which says what to do.
 
 The interpreter runs the kernel's exact code, one program after the other,
-so it checks correctness, never speed. Its bfloat16 ``tl.dot`` multiplies
-the raw bit patterns (Triton issue #11584; an earlier one, #4972, is about
-bfloat16 ``tl.load`` there), so bfloat16 is refused there and tested on a
-GPU only. The interpreters of Triton 3.4 to 3.6 cannot run the kernels
-with NumPy 2.4 or later (:func:`interpreter_problem` says why); the kernels
-refuse to start there, by name.
+so it checks what each program computes (its indices, masks and online
+softmax), never speed, and not the code compiled for a GPU: TF32 products,
+races between programs and the compiler's own bugs show only on a GPU.
+Its bfloat16 ``tl.dot`` multiplies the raw bit patterns (Triton issue
+#11584; an earlier one, #4972, is about bfloat16 ``tl.load`` there), so
+bfloat16 is refused there and tested on a GPU only. The interpreters of
+Triton 3.4 to 3.6 cannot run the kernels with NumPy 2.4 or later
+(:func:`interpreter_problem` says why); the kernels refuse to start there,
+by name, and the exercise checkers name it beside a learner's error.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ __all__ = [
     "LADDER",
 ]
 
+from ..environment import interpreter_problem  # noqa: E402 (no Triton)
 from .tiles import LADDER, Techniques  # noqa: E402 (no Triton needed)
 
 #: The largest head size d_k the kernels take.
@@ -199,42 +203,6 @@ def _explain_import_order() -> None:
 
 if TRITON_IMPORTED_FIRST:
     _explain_import_order()
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """(3, 6) of "3.6.0", (2, 4) of "2.4.0rc1": major and minor."""
-    major, minor = (version.split(".") + ["0"])[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
-def interpreter_problem(
-    triton_version: str | None = None, numpy_version: str | None = None
-) -> str | None:
-    """Why Triton's interpreter cannot run the kernels here, or None.
-
-    The interpreters of Triton 3.4 to 3.6 turn a one-element array into a
-    Python integer (a loop's bounds, among others), which NumPy 2.4 refuses
-    ("only 0-dimensional arrays can be converted to Python scalars"); from
-    Triton 3.7 on they do not, and with NumPy 2.3 the older ones run (each
-    pair run here on the forward kernel). Defaults: the versions installed.
-    """
-    if triton_version is None:
-        if not TRITON_AVAILABLE:
-            return None
-        triton_version = triton.__version__
-    if numpy_version is None:
-        import numpy
-
-        numpy_version = numpy.__version__
-    old_interpreter = _release(triton_version) < (3, 7)
-    if old_interpreter and _release(numpy_version) >= (2, 4):
-        return (
-            f"Triton {triton_version}'s interpreter cannot run these kernels "
-            f"with NumPy {numpy_version}: it turns one-element arrays into "
-            "Python integers, which NumPy 2.4 refuses; install triton 3.7 or "
-            "later (this project pins 3.9.0) or numpy older than 2.4"
-        )
-    return None
 
 
 def triton_attention(
