@@ -31,6 +31,7 @@ __all__ = [
     "check_positions",
     "check_key_start",
     "check_window",
+    "check_bool",
     "check_positive",
     "shape_text",
 ]
@@ -220,14 +221,35 @@ def check_key_start(key_start: object, q: Any) -> Any:
             f"key_start must be on q's device ({q.device}), got "
             f"{key_start.device}"
         )
-    return key_start.clamp(0, 2**31 - 1).to(torch.int32).contiguous()
+    # a copy, whatever came (int8 to int64): later writes to the caller's
+    # tensor change nothing here (a backward reads it after the forward)
+    key_start = key_start.to(torch.int64).clamp(0, 2**31 - 1)
+    return key_start.to(torch.int32).contiguous()
+
+
+#: The widest window a kernel is given: one of 2**31 - 1 keys or more hides
+#: no key of any sequence a kernel can index (int32 positions).
+WIDEST_WINDOW = 2**31 - 1
 
 
 def check_window(window: object) -> int | None:
-    """A sliding window: None, or a positive int (a query's newest keys)."""
+    """A sliding window: None, or a positive int (a query's newest keys),
+    at most :data:`WIDEST_WINDOW` (a wider one is the same window)."""
     if window is None:
         return None
-    return check_int("window", window)
+    return min(check_int("window", window), WIDEST_WINDOW)
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``value`` if it is a bool (NumPy's too), else TypeError naming it."""
+    import numpy as np
+
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"{name} must be True or False, got {type(value).__name__} "
+            f"{value!r}"
+        )
+    return bool(value)
 
 
 def dtype_or_type(value: object) -> object:

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._validate import check_same, check_tensor
+from ._validate import check_int, check_same, check_tensor
 from .caches import Cache, KVCache, PagedKVCache, cached_so_far
 
 __all__ = [
@@ -89,6 +89,10 @@ class Masking:
     dense: Tensor | None = None
     key_start: Tensor | None = None
     sinks: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None:
+            check_int("window", self.window)
 
     @classmethod
     def padded(cls, padding: Tensor | None, **fields) -> Masking:
@@ -195,6 +199,9 @@ class Backend:
     whole_cache: bool = False
     #: True: drops attention weights in training (``dropout_p``)
     dropout: bool = False
+    #: ``check(q, k, v)``: raises if the backend cannot take such inputs at
+    #: all (dtype, head size, device), called before a cache stores k and v
+    check: Callable[[Tensor, Tensor, Tensor], None] | None = None
 
 
 #: name -> :class:`Backend`, in the order of registration.
@@ -209,11 +216,13 @@ def register(
     paged: Callable[..., Tensor] | None = None,
     whole_cache: bool = False,
     dropout: bool = False,
+    check: Callable[[Tensor, Tensor, Tensor], None] | None = None,
 ):
     """Decorator: ``function(q, k, v, masking) -> out`` as backend ``name``,
     taking the kinds of mask ``masks`` (of :data:`MASK_KINDS`); ``paged``:
     its kernel for a paged cache, if it has one; ``whole_cache``: see
-    :class:`Backend`; ``dropout``: ``function`` takes ``dropout_p``."""
+    :class:`Backend`; ``dropout``: ``function`` takes ``dropout_p``;
+    ``check``: see :class:`Backend`."""
     unknown = set(masks) - set(MASK_KINDS)
     if unknown:
         raise ValueError(f"masks must be among {MASK_KINDS}, got {unknown}")
@@ -227,6 +236,7 @@ def register(
             paged,
             whole_cache,
             dropout,
+            check,
         )
         return function
 
@@ -266,19 +276,18 @@ def attend(
     it lies or gathered (see the module). ``dropout_p``: attention weights
     dropped, by a backend that can (``eager``, ``sdpa``)."""
     backend = get_backend(name)
-    if cache is not None:
+    if cache is not None:  # what can be checked before the cache stores k, v
+        check_qkv(q, k, v)
+        kinds = masking.kinds(q.shape[2], k.shape[2])
+        _check_kinds(backend, kinds & {"padding", "dense", "sinks"})
+        if backend.check is not None:
+            backend.check(q, k, v)
         served = read_cache(backend, q, k, v, masking, cache)
         if isinstance(served, Tensor):  # read in place
             return served
         k, v, masking = served
     check_qkv(q, k, v)
-    needed = masking.kinds(q.shape[2], k.shape[2]) - backend.masks
-    if needed:
-        raise ValueError(
-            f"the {name!r} attention backend takes no {sorted(needed)} mask "
-            f"(it takes {sorted(backend.masks) or 'none'}): choose another "
-            f"backend, of {attention_backends()}"
-        )
+    _check_kinds(backend, masking.kinds(q.shape[2], k.shape[2]))
     if dropout_p:
         if not backend.dropout:
             raise ValueError(
@@ -288,6 +297,18 @@ def attend(
             )
         return backend.function(q, k, v, masking, dropout_p=dropout_p)
     return backend.function(q, k, v, masking)
+
+
+def _check_kinds(backend: Backend, kinds: set[str]) -> None:
+    """ValueError if the call needs a kind of mask the backend lacks."""
+    needed = kinds - backend.masks
+    if needed:
+        raise ValueError(
+            f"the {backend.name!r} attention backend takes no "
+            f"{sorted(needed)} mask (it takes "
+            f"{sorted(backend.masks) or 'none'}): choose another backend, "
+            f"of {attention_backends()}"
+        )
 
 
 def read_cache(backend: Backend, q, k, v, masking: Masking, cache):
@@ -483,11 +504,19 @@ def _triton_paged(*pools, **masks) -> Tensor:
     return kernels.triton_paged_attention(*pools, **masks)
 
 
+def _triton_check(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """What the Triton kernels take (dtype, head size, where they run)."""
+    from .kernels import attention
+
+    attention.check_inputs(q, k, v)
+
+
 @register(
     "triton",
     masks=("causal", "window", "padding"),
     summary="mha.kernels (Triton)",
     paged=_triton_paged,
+    check=_triton_check,
 )
 def triton(q: Tensor, k: Tensor, v: Tensor, masking: Masking) -> Tensor:
     """The Triton kernels (chapter 13): the tiled forward, the split-KV

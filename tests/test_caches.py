@@ -122,3 +122,59 @@ def test_a_subclass_may_count_in_python() -> None:
             self.length = 3
 
     assert len(CountedInPython(B, T, H_KV, D_K)) == 3
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "triton"])
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_attend_refuses_bad_input_before_the_cache_stores_it(backend: str, kind: str) -> None:
+    from mha import kernels
+    from mha.backends import Masking, attend
+
+    from helpers import KERNEL_DEVICE
+
+    if backend == "triton" and not kernels.TRITON_AVAILABLE:
+        pytest.skip("triton is not installed")
+    device = KERNEL_DEVICE if backend == "triton" else "cpu"
+
+    def make(head_dim: int = 32):
+        if kind == "static":
+            return KVCache(1, 32, 2, head_dim, device=device)
+        return PagedKVCache(1, 32, 2, head_dim, block_size=4, device=device)
+
+    def new(*shape, seed=0):
+        return randn(*shape, seed=seed).float().to(device)
+
+    q, k, v = new(1, 4, 3, 32), new(1, 2, 3, 32, seed=1), new(1, 2, 3, 32, seed=2)
+    cache = make()
+    bad = [
+        ((new(1, 3, 3, 32), k, v, Masking()), ValueError, "H_kv dividing H"),
+        ((new(1, 4, 3, 16), k, v, Masking()), ValueError, "q must have shape"),
+        ((new(2, 4, 3, 32), k, v, Masking()), ValueError, "q must have shape"),
+        ((q.double(), k, v, Masking()), TypeError, "one dtype"),
+    ]
+    if backend == "triton":  # a mask it does not take
+        dense = Masking(dense=torch.ones(1, 1, 3, 3, dtype=torch.bool, device=device))
+        bad.append(((q, k, v, dense), ValueError, r"takes no \['dense'\] mask"))
+    for args, error, words in bad:
+        with pytest.raises(error, match=words):
+            attend(backend, *args, cache)
+        assert len(cache) == 0, (backend, kind, words)
+        if kind == "paged":
+            assert cache.blocks_in_use == 0, (backend, kind, words)
+    if backend == "triton":  # a head size no kernel takes: refused before the cache holds it
+        wide, d = make(264), 264
+        with pytest.raises(ValueError, match="d_k .* must be from 1 to 256, got 264"):
+            attend(backend, new(1, 4, 3, d), new(1, 2, 3, d), new(1, 2, 3, d), Masking(), wide)
+        assert len(wide) == 0
+    out = attend(backend, q, k, v, Masking(), cache)  # the good call, after every refusal
+    assert out.shape == q.shape and len(cache) == 3
+
+
+def test_a_window_is_a_positive_int() -> None:
+    from mha.backends import Masking
+
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match=f"window must be a positive int, got {bad}"):
+            Masking(window=bad)
+    with pytest.raises(TypeError, match="window must be an int, got float"):
+        Masking(window=2.0)

@@ -355,8 +355,10 @@ def test_bfloat16_is_refused_by_the_interpreter() -> None:
 def test_bad_arguments_raise_clear_errors() -> None:
     q = torch.zeros(1, 1, 16, 16, device=DEVICE)
     big = torch.zeros(1, 1, 16, 257, device=DEVICE)
-    with pytest.raises(ValueError, match=r"d_k \(the last dimension of q\) must be at most 256"):
+    with pytest.raises(ValueError, match=r"d_k \(the last dimension of q\) must be from 1 to 256"):
         kernels.triton_attention(big, big, big)
+    with pytest.raises(ValueError, match=r"must be from 1 to 256, got 0"):
+        kernels.triton_attention(q[..., :0], q[..., :0], q[..., :0])
     with pytest.raises(ValueError, match="H_kv that divides q's H, got H = 3 and H_kv = 2"):
         kernels.triton_attention(
             q.expand(1, 3, 16, 16), q.expand(1, 2, 16, 16), q.expand(1, 2, 16, 16)
@@ -371,11 +373,80 @@ def test_bad_arguments_raise_clear_errors() -> None:
         kernels.triton_attention(q, q, torch.zeros(1, 1, 15, 16, device=DEVICE))
     with pytest.raises(
         ValueError,
-        match=r"block_q must be a power of two >= 16 \(tl.dot's smallest tile\), got 24",
+        match=r"block_q must be a power of two from 16 \(tl.dot's smallest tile\) to 256, got 24",
     ):
         kernels.triton_attention(q, q, q, block_q=24)
+    with pytest.raises(ValueError, match="block_k must be a power of two from 16 .* got 512"):
+        kernels.triton_attention(q, q, q, block_k=512)  # a tile larger than any GPU holds
+    one = q[:, :, :1]
+    for run, query in ((kernels.triton_attention, q), (kernels.triton_split_kv_attention, one)):
+        for causal in ("no", None, 1):
+            with pytest.raises(
+                TypeError, match=f"causal must be True or False, got .* {causal!r}"
+            ):
+                run(query, q, q, causal=causal)
     with pytest.raises(TypeError, match="k must be a torch.Tensor, got ndarray"):
         kernels.triton_attention(q, np.zeros((1, 1, 16, 16)), q)
+
+
+def _float64_attention(q, k, v, keep):
+    """Float64 SDPA on the CPU with a boolean ``keep`` (T_q, T_k) or (B, 1, T_q, T_k)."""
+    q, k, v = (t.cpu().double() for t in (q, k, v))  # leaves stay leaves: their gradients
+    k, v = _repeat_kv(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+def test_the_backward_sees_the_key_starts_of_its_forward() -> None:
+    # the caller's key_start changed between the forward and the backward: the gradients are
+    # still those of the forward that ran (keys 0..3 hidden), not of the changed key starts
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 2, 5, 9, 16))
+    d_out = _inputs(1, 2, 5, 16, seeds=(7,))[0]
+    key_start = torch.tensor([4], device=DEVICE)
+    out = kernels.triton_attention(q, k, v, key_start=key_start)
+    key_start[0] = 0
+    out.backward(d_out)
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    keep = torch.arange(9) >= 4  # (T_k,)
+    expected = _float64_attention(*leaves, keep.expand(5, 9))
+    expected.backward(d_out.cpu().double())
+    for got, leaf in zip((q, k, v), leaves):
+        torch.testing.assert_close(got.grad.cpu().double(), leaf.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_narrow_key_starts_and_windows_wider_than_an_int64() -> None:
+    q, k, v = _qkv(2, 2, 1, 6, 11, 16)
+    rows = torch.tensor([3, 0])
+    keep = (torch.arange(11)[None, :] >= rows[:, None])[:, None, None, :]  # (B, 1, 1, T_k)
+    for dtype in (torch.int8, torch.int16, torch.uint8):
+        out = kernels.triton_attention(q, k, v, key_start=rows.to(dtype).to(DEVICE))
+        expected = _float64_attention(q, k, v, keep)
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=1e-5, atol=1e-5)
+    causal = torch.tril(torch.ones(6, 11, dtype=torch.bool), diagonal=5)  # bottom-right
+    for window in (11, 2**40, 2**64):  # as wide as the keys, or wider: no key hidden
+        out = kernels.triton_attention(q, k, v, causal=True, window=window)
+        expected = _float64_attention(q, k, v, causal)
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sinks_must_be_finite_or_minus_infinity() -> None:
+    from mha.kernels.attention import attention_forward
+
+    q, k, v = _qkv(1, 2, 2, 3, 5, 16)
+    for bad, head in ((math.nan, 0), (math.inf, 1)):
+        sinks = torch.zeros(2, device=DEVICE)
+        sinks[head] = bad
+        with pytest.raises(ValueError, match=f"sinks must be finite .* got {bad} at head {head}"):
+            attention_forward(q, k, v, sinks=sinks)
+    sinks = torch.tensor([-math.inf, 0.0], device=DEVICE)  # -inf: that head has no sink
+    out, _ = attention_forward(q, k, v, sinks=sinks)
+    torch.testing.assert_close(
+        out[:, 0].cpu().double(), _float64_attention(q, k, v, None)[:, 0], rtol=1e-5, atol=1e-5
+    )
+
+
+def test_split_kv_of_an_empty_batch_is_empty() -> None:
+    q, k, v = _qkv(0, 2, 2, 1, 9, 16)
+    assert kernels.triton_split_kv_attention(q, k, v).shape == (0, 2, 1, 16)
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:

@@ -198,6 +198,50 @@ def test_bad_input_is_refused_by_name(implementation) -> None:
             run(q.double(), pool.double(), pool.double(), table, lens)
 
 
+@pytest.mark.parametrize("implementation", ["triton", "torch"])
+def test_strided_lengths_and_table_entries_past_the_lengths(implementation) -> None:
+    # seq_lens a strided view (every other element of a longer tensor: read as contiguous, row 1
+    # would get length 1), and table entries past each length that name no block at all
+    if implementation == "triton" and not kernels.TRITON_AVAILABLE:
+        pytest.skip("triton is not installed")
+    run = kernels.triton_paged_attention if implementation == "triton" else paged_attention_torch
+    lengths = [37, 5]
+    q, k_pool, v_pool, table, lens, keys, values = _paged(lengths, 4, 2, 1, 16, 8, torch.float32)
+    strided = torch.stack((lens, torch.ones_like(lens)), dim=1).flatten()[::2]  # [37, 5]
+    assert strided.stride() == (2,) and strided.tolist() == lengths
+    table[0, 5:], table[1, 1:] = -7, 99  # past each length: never a block
+    out = run(q, k_pool, v_pool, table, strided)
+    expected = _expected(q, keys, values, lengths)
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("implementation", ["triton", "torch"])
+def test_an_empty_batch_gives_an_empty_result(implementation) -> None:
+    if implementation == "triton" and not kernels.TRITON_AVAILABLE:
+        pytest.skip("triton is not installed")
+    run = kernels.triton_paged_attention if implementation == "triton" else paged_attention_torch
+    q = torch.zeros(0, 4, 1, 16, device=DEVICE)
+    pool = torch.zeros(6, 16, 2, 16, device=DEVICE)
+    table = torch.zeros(0, 2, dtype=torch.int32, device=DEVICE)
+    lens = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    assert run(q, pool, pool, table, lens).shape == (0, 4, 1, 16)
+
+
+@TRITON
+def test_max_seq_len_is_checked() -> None:
+    q = torch.zeros(2, 4, 1, 16, device=DEVICE)
+    pool = torch.zeros(6, 16, 2, 16, device=DEVICE)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([20, 3], dtype=torch.int32, device=DEVICE)
+    run = kernels.triton_paged_attention
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=f"max_seq_len must be a positive int, got {bad}"):
+            run(q, pool, pool, table, lens, max_seq_len=bad)
+    for bad in (2.5, True):
+        with pytest.raises(TypeError, match="max_seq_len must be an int"):
+            run(q, pool, pool, table, lens, max_seq_len=bad)
+
+
 @TRITON
 def test_the_pools_are_never_copied() -> None:
     # Every aten operation the call makes, watched at torch's dispatcher: none takes the pools

@@ -71,6 +71,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .._validate import (
+    check_bool,
     check_key_start,
     check_same,
     check_scale,
@@ -100,6 +101,7 @@ __all__ = [
     "merge_partials",
     "finish_rows",
     "check_runs_here",
+    "check_inputs",
     "multiprocessors",
     "TritonAttention",
     "triton_attention",
@@ -928,6 +930,7 @@ def attention_forward(
     None: :func:`default_techniques` for the GPU).
     """
     scale = _check_inputs(q, k, v, scale, block_q, block_k)
+    causal = check_bool("causal", causal)
     key_start = check_key_start(key_start, q)
     window = check_window(window)
     if sinks is not None:
@@ -970,6 +973,7 @@ def attention_backward(
     ``techniques.split_group``: dk and dv of a GQA group's heads computed
     by programs of their own and summed after (:class:`Techniques`)."""
     scale = _check_inputs(q, k, v, scale, block_q, block_k)
+    causal = check_bool("causal", causal)
     key_start = check_key_start(key_start, q)
     window = check_window(window)
     techniques = _techniques(q, techniques, k, v)
@@ -1024,6 +1028,7 @@ def split_kv_forward(
     :func:`attention_forward`.
     """
     scale = _check_inputs(q, k, v, scale, None, block_k)
+    causal = check_bool("causal", causal)
     key_start = check_key_start(key_start, q)
     window = check_window(window)
     tiles = _tiles(q, "split_kv", None, block_k, None)
@@ -1141,7 +1146,9 @@ class TritonAttention(torch.autograd.Function):
     ):  # fmt: skip
         settings = dict(
             causal=causal, scale=scale, block_q=block_q, block_k=block_k,
-            key_start=key_start, window=window, techniques=techniques,
+            # the checked copy: the backward sees the forward's key starts
+            key_start=check_key_start(key_start, q), window=window,
+            techniques=techniques,
         )  # fmt: skip
         out, logsumexp = attention_forward(q, k, v, **settings, sinks=sinks)
         ctx.save_for_backward(q, k, v, out, logsumexp, sinks)
@@ -1185,8 +1192,8 @@ def triton_attention(
         causal: bottom-right aligned: query i attends to keys 0..i + T_k -
             T_q (top-left and bottom-right agree when T_q = T_k).
         scale: default ``1 / sqrt(d_k)``.
-        block_q, block_k: tile sizes, powers of two >= 16; default
-            :func:`default_tiles`.
+        block_q, block_k: tile sizes, powers of two from 16 to 256;
+            default :func:`default_tiles`.
         key_start: (B,) integer tensor on q's device, or None: row b's
             keys 0..key_start[b] - 1 are padding (a left-padded batch; see
             :func:`mha.functional.key_start_from_attention_mask`), hidden
@@ -1209,8 +1216,8 @@ def triton_attention(
         (B, H, T_q, d_k), in the inputs' dtype.
     """
     return TritonAttention.apply(
-        q, k, v, bool(causal), scale, block_q, block_k, key_start, sinks,
-        window, techniques,
+        q, k, v, check_bool("causal", causal), scale, block_q, block_k,
+        key_start, sinks, window, techniques,
     )  # fmt: skip
 
 
@@ -1238,6 +1245,16 @@ def _check_sinks(sinks: object, q: Tensor) -> Tensor:
         raise ValueError(
             f"sinks must be on q's device {q.device}, got {sinks.device}"
         )
+    # -inf is no sink; NaN and +inf would pass as a row that saw no key
+    # (one read of the values, which a decoding step's backends never pay:
+    # none of them hands sinks to these kernels)
+    bad = torch.isnan(sinks) | (sinks == math.inf)
+    if bad.any():
+        raise ValueError(
+            "sinks must be finite logits, or -inf for a head with no sink, "
+            f"got {sinks[bad][0].item()} at head "
+            f"{int(bad.nonzero()[0, 0])}"
+        )
     return sinks
 
 
@@ -1258,6 +1275,19 @@ def check_runs_here(q: Tensor) -> None:
             "TRITON_INTERPRET=1 before importing mha.kernels to run them "
             "on the CPU"
         )
+
+
+def check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Raise if the kernels cannot take q, k and v (shapes, dtype, head
+    size, device): the checks of :func:`triton_attention` on its tensors,
+    for a caller that must know before it changes anything (a cache)."""
+    _check_inputs(q, k, v, None, None, None)
+
+
+#: The largest tile side ``block_q`` and ``block_k`` take (the defaults are
+#: at most 128; a 256 x 256 float32 tile of scores is already 256 KiB, more
+#: than a multiprocessor's shared memory).
+MAX_BLOCK = 256
 
 
 def _check_inputs(q, k, v, scale, block_q, block_k) -> float:
@@ -1286,8 +1316,8 @@ def _check_inputs(q, k, v, scale, block_q, block_k) -> float:
         )
     if not 0 < q.shape[-1] <= MAX_HEAD_DIM:
         raise ValueError(
-            f"d_k (the last dimension of q) must be at most {MAX_HEAD_DIM}, "
-            f"got {q.shape[-1]}"
+            f"d_k (the last dimension of q) must be from 1 to {MAX_HEAD_DIM}"
+            f", got {q.shape[-1]}"
         )
     if q.shape[2] == 0 or k.shape[2] == 0:
         raise ValueError(
@@ -1303,9 +1333,9 @@ def _check_inputs(q, k, v, scale, block_q, block_k) -> float:
                 f"{name} must be an int or None, got "
                 f"{type(block).__name__} {block!r}"
             )
-        if block < 16 or block & (block - 1):
+        if not 16 <= block <= MAX_BLOCK or block & (block - 1):
             raise ValueError(
-                f"{name} must be a power of two >= 16 (tl.dot's smallest "
-                f"tile), got {block}"
+                f"{name} must be a power of two from 16 (tl.dot's smallest "
+                f"tile) to {MAX_BLOCK}, got {block}"
             )
     return check_scale(scale, q.shape[-1])

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .._validate import check_int
 from . import MAX_HEAD_DIM
 from .attention import (
     Launch,
@@ -206,6 +207,10 @@ def paged_forward(
     )  # fmt: skip
     _check_backend(q)
     (batch, heads, t_q, d), kv_heads = q.shape, k_pool.shape[2]
+    if max_seq_len is not None:
+        max_seq_len = check_int("max_seq_len", max_seq_len)
+    if batch == 0:  # no sequence: nothing to read
+        return q.clone(), q.new_empty(q.shape[:3], dtype=torch.float32)
     group = heads // kv_heads
     tiles: Tiles = default_tiles("paged", d, q.dtype, capability_of(q.device))
     longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
@@ -223,7 +228,9 @@ def paged_forward(
     partial_lse = torch.empty(
         partial.shape[:-1], dtype=torch.float32, device=q.device
     )
-    table, lens = block_table.to(torch.int32), seq_lens.to(torch.int32)
+    # the kernel reads the lengths at SeqLens + b: contiguous
+    table = block_table.to(torch.int32)
+    lens = seq_lens.to(torch.int32).contiguous()
     if key_start is not None:
         key_start = key_start.to(torch.int32).contiguous()
     with torch.no_grad():

@@ -82,7 +82,9 @@ def paged_attention_torch(
         key_start=key_start,
         window=window,
     )
-    (_, heads, t_q, _), (block_size, kv_heads) = q.shape, k_pool.shape[1:3]
+    (batch, heads, t_q, _), (block_size, kv_heads) = q.shape, k_pool.shape[1:3]
+    if batch == 0:  # no sequence: nothing to read
+        return q.clone()
     length = int(seq_lens.max())
     positions = torch.arange(length, device=q.device)  # (L,)
     blocks, slots, real = page_index(block_table, block_size, length, seq_lens)
@@ -145,7 +147,8 @@ def page_index(
         real = at < lengths.long()[:, None]
     at = at.clamp(0, block_table.shape[1] * block_size - 1)
     blocks = block_table.gather(1, at // block_size).long()  # (B, L)
-    return blocks, at % block_size, real
+    # entries past a row's length may name any block, or none: block 0
+    return blocks.where(real, 0), at % block_size, real
 
 
 def check_paged_inputs(

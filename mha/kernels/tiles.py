@@ -386,6 +386,8 @@ def default_num_splits(
     """Key splits for a decoding pass of ``programs`` (query tile, head)
     pairs: as many as keep every program of a split in one wave (one
     program per multiprocessor), each split at least one key tile long."""
+    if programs == 0:  # an empty batch: one split of nothing
+        return 1
     wanted = multiprocessors // programs
     return max(1, min(wanted, _cdiv(t_k, block_k)))
 
