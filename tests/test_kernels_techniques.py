@@ -594,3 +594,23 @@ def test_splitting_a_group_goes_through_autograd_and_is_refused_by_split_kv() ->
     with pytest.raises(ValueError, match="techniques split_group: switches of the forward"):
         kernels.triton_split_kv_attention(q[:, :, :1], k, v,
                                           techniques=Techniques(split_group=True))  # fmt: skip
+
+
+def test_every_launch_with_descriptors_gives_triton_their_scratch_memory(monkeypatch) -> None:
+    # Compiled for a GPU, a program that makes tensor descriptors writes them in scratch memory
+    # that Triton asks of the allocator set by triton.set_allocator, and fails without one: a
+    # Launch made without attention_forward's checks (the benchmark's ladder) must set it too.
+    from mha.kernels import attention
+
+    launched, allocators = [], []
+
+    class Kernel:  # stands in for a compiled kernel: records its launches
+        def __getitem__(self, grid):
+            return lambda *args, **constants: launched.append(constants)
+
+    monkeypatch.setattr(attention, "INTERPRETED", False)
+    monkeypatch.setattr(attention.triton, "set_allocator", allocators.append)
+    attention.Launch(Kernel(), (1,), (), {"TMA": True})()
+    assert allocators == [attention._scratch] and launched == [{"TMA": True}]
+    attention.Launch(Kernel(), (1,), (), {"EXP2": True})()  # no descriptors: no allocator
+    assert allocators == [attention._scratch] and len(launched) == 2

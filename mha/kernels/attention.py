@@ -768,6 +768,11 @@ class Launch:
     constants: dict  # the constexpr arguments, num_warps and num_stages
 
     def __call__(self) -> None:
+        if self.constants.get("TMA") and not INTERPRETED:
+            # a program writes its tensor descriptors in global scratch
+            # memory, which Triton asks of the allocator set here, at every
+            # launch (a launch made without attention_forward's checks too)
+            triton.set_allocator(_scratch)
         self.kernel[self.grid](*self.args, **self.constants)
 
 
@@ -1083,8 +1088,8 @@ def merge_partials(partial: Tensor, partial_lse: Tensor):
 
 def _techniques(q: Tensor, techniques: object, k=None, v=None) -> Techniques:
     """The switches asked for, or the defaults; with ``tma``, the layout
-    checked and, on a GPU, Triton given the scratch memory in which a
-    program writes its tensor descriptors."""
+    checked (:class:`Launch` gives Triton the descriptors' scratch memory
+    on a GPU)."""
     if check_techniques(techniques) is None:
         techniques = default_techniques(capability_of(q.device))
     if techniques.tma:  # with warp_specialize, q's tile through one too
@@ -1092,8 +1097,6 @@ def _techniques(q: Tensor, techniques: object, k=None, v=None) -> Techniques:
             {"q": q, "k": k, "v": v} if techniques.warp_specialize
             else {"k": k, "v": v}
         )  # fmt: skip
-        if not INTERPRETED:
-            triton.set_allocator(_scratch)
     return techniques
 
 
