@@ -114,6 +114,32 @@ def test_a_decoding_step_reads_as_often_with_16_layers_as_with_2(
     assert len(deep) <= 1 + padded, deep
 
 
+def reads_in_an_engine_step(monkeypatch, layers, backend) -> list[str]:
+    from mha.serving import Engine
+
+    torch.manual_seed(0)
+    device = KERNEL_DEVICE if backend == "triton" else "cpu"
+    model = mha.CausalLM.from_config(config(layers), attn_backend=backend, device=device)
+    engine = Engine(model.eval(), num_blocks=16, block_size=4)
+    engine.add_request([1, 2, 3, 4, 5], 4)
+    engine.add_request([6, 7, 8], 4)
+    engine.step()  # the prompts
+    engine.step()  # a first decoding step
+    with counting(monkeypatch) as mode:
+        engine.step()  # two requests decode
+    return mode.reads
+
+
+@pytest.mark.parametrize("backend", mha.attention_backends())
+def test_an_engine_step_reads_as_often_with_16_layers_as_with_2(monkeypatch, backend):
+    # the step's plan knows every length on the host: no layer reads one back from the device
+    if backend == "triton":
+        pytest.importorskip("triton")
+    shallow = reads_in_an_engine_step(monkeypatch, 2, backend)
+    deep = reads_in_an_engine_step(monkeypatch, 16, backend)
+    assert len(deep) == len(shallow), (shallow, deep)
+
+
 def test_the_counter_sees_the_reads_it_claims_to():
     # the counter itself: each kind of read it names is counted, and arithmetic is not
     x = torch.arange(6.0)

@@ -36,7 +36,9 @@ class StepPlan:
     for the tokens first .. end - 1, as
     :func:`mha.kernels.triton_paged_attention` takes them (the decode
     tokens form one group of B requests, T_q = 1; each chunk a group of
-    one request, T_q = end - first).
+    one request, T_q = end - first); ``longest``: each group's longest
+    length, known on the host (the kernels' ``max_seq_len``: no layer
+    reads the lengths back from the device).
     """
 
     ids: Tensor
@@ -47,6 +49,7 @@ class StepPlan:
     offsets: Tensor
     groups: list[tuple[int, int, Tensor, Tensor]]
     block_size: int
+    longest: list[int] = field(default_factory=list)
     _gathers: dict = field(default_factory=dict)
 
     @classmethod
@@ -86,6 +89,7 @@ class StepPlan:
                 for first, end, seqs, lens in groups
             ],
             block_size,
+            [max(lens) for _, _, _, lens in groups],
         )
 
     def gather(self, group: int):
@@ -93,18 +97,18 @@ class StepPlan:
         keys, right-aligned so that every request's newest key is the last
         (its queries the newest, as an attention backend takes them):
         blocks and slots (B, L) of the L = longest length key positions,
-        and ``padding`` (B, L), False at the slots before a shorter
-        request's first key (a left-padded batch). Made once per step and
-        shared by every layer."""
+        ``padding`` (B, L), False at the slots before a shorter request's
+        first key (a left-padded batch), and ``key_start`` (B,) int32, the
+        index of that first key. Made once per step, without reading the
+        device, and shared by every layer."""
         if group not in self._gathers:
             first, end, table, lens = self.groups[group]
-            self._gathers[group] = page_index(
-                table,
-                self.block_size,
-                int(lens.max()),
-                lens,
-                right_aligned=True,
+            longest = self.longest[group]
+            blocks, slots, padding = page_index(
+                table, self.block_size, longest, lens, right_aligned=True
             )
+            key_start = (longest - lens).to(torch.int32)
+            self._gathers[group] = blocks, slots, padding, key_start
         return self._gathers[group]
 
 

@@ -76,17 +76,19 @@ class PagedLayer:
         self.k_pool[plan.blocks, plan.offsets] = k[0].transpose(0, 1)
         self.v_pool[plan.blocks, plan.offsets] = v[0].transpose(0, 1)
         parts = []
-        for first, end, table, lens in plan.groups:
+        for group, (first, end, table, lens) in enumerate(plan.groups):
             if len(lens) > 1:  # decode tokens, one per request
                 rows = q[0, :, first:end].transpose(0, 1)[:, :, None]
             else:  # a chunk of one request
                 rows = q[:, :, first:end]  # (1, H, T_q, d_k)
             kernel = backend.paged
             if kernel is None:  # keys gathered, then the backend's own
-                blocks, slots, padding = plan.gather(len(parts))
+                blocks, slots, padding, key_start = plan.gather(group)
                 k_rows = self.k_pool[blocks, slots].transpose(1, 2)
                 v_rows = self.v_pool[blocks, slots].transpose(1, 2)
-                masked = Masking(window=window, padding=padding)
+                masked = Masking(
+                    window=window, padding=padding, key_start=key_start
+                )
                 out = attend(backend.name, rows, k_rows, v_rows, masked)
             else:  # a kernel that reads the blocks where they lie
                 out = kernel(
@@ -97,6 +99,7 @@ class PagedLayer:
                     lens,
                     key_start=None,
                     window=window,
+                    max_seq_len=plan.longest[group],  # no read back
                 )
             if len(lens) > 1:
                 out = out[:, :, 0].transpose(0, 1)[None]  # (1, H, B, d_k)
