@@ -37,6 +37,79 @@ def test_without_a_gpu_it_says_so_and_fails(capsys) -> None:
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_a_partial_race_grid_or_a_cut_test_run_has_not_passed() -> None:
+    parts = ["race", "tests"]
+    whole = {"race": {"failed": {}, "not_run": []}, "tests": {"returncode": 0}}
+    assert gpu.checks_passed(whole, parts)
+    assert not gpu.checks_passed({**whole, "race": {"failed": {}, "not_run": ["d64"]}}, parts)
+    assert not gpu.checks_passed(
+        {**whole, "race": {"failed": {"d64": ["dk"]}, "not_run": []}}, parts
+    )
+    assert not gpu.checks_passed(
+        {**whole, "race": {"status": "failed"}}, parts
+    )  # the part crashed
+    assert not gpu.checks_passed({**whole, "tests": {"returncode": None}}, parts)  # timed out
+    assert gpu.checks_passed({"tests": {"returncode": 0}}, ["tests"])  # the race grid not asked
+
+
+def test_the_report_is_strict_json() -> None:
+    import json
+
+    report = {"error": float("nan"), "rows": [1.5, {"ratio": float("inf")}, (float("-inf"),)]}
+    text = json.dumps(gpu._finite(report), allow_nan=False)
+    assert json.loads(text) == {"error": None, "rows": [1.5, {"ratio": None}, [None]]}
+
+
+def test_the_cuda_tests_are_collected_from_their_files_alone() -> None:
+    # pytest's own selection of cuda-marked tests over every test file, against the same over the
+    # files cuda_test_files names: the same tests, so collecting only those files loses none
+    root = Path(__file__).resolve().parents[1]
+
+    def collected(*paths: str) -> set[str]:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda",
+             "-p", "no:cacheprovider", *paths],
+            cwd=root, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        return {line for line in done.stdout.splitlines() if "::" in line}
+
+    files = gpu.cuda_test_files(root)
+    assert "tests/test_kernels.py" in files and "tests/test_gpu_check.py" not in files
+    everything = collected("tests", "--ignore=tests/book")
+    assert everything and collected(*files) == everything
+
+
+def test_the_compiler_compiles_every_shape_and_never_falls_back(monkeypatch) -> None:
+    # torch.compile keeps 8 versions of a function's code by default, then runs it uncompiled
+    # without a word; gpu-check's settings compile each of 12 shapes, and past its own limit
+    # a call raises
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    for name in gpu.COMPILER_SETTINGS:
+        monkeypatch.setattr(config, name, getattr(config, name))  # restored afterwards
+    traced = []
+
+    def backend(graph, inputs):
+        traced.append(inputs[0].shape)
+        return graph.forward
+
+    def double(x):
+        return x * 2
+
+    applied = gpu.configure_compiler()
+    assert applied == gpu.COMPILER_SETTINGS
+    torch._dynamo.reset()
+    compiled = torch.compile(double, backend=backend, dynamic=False)
+    for n in range(1, 13):
+        compiled(torch.ones(n))
+    assert len(traced) == 12
+    monkeypatch.setattr(config, "recompile_limit", 12)
+    with pytest.raises(Exception, match="recompile_limit"):
+        compiled(torch.ones(13))
+    torch._dynamo.reset()
+
+
 #: The toy parts: on the CPU, in this process where no GPU is seen, else in a child that sees none.
 TOY_PARTS = ["attention", "decode", "model", "engine", "ladder"]
 
@@ -64,7 +137,7 @@ def toy(monkeypatch) -> argparse.Namespace:
         pytest.skip("this machine has a GPU: the toy parts run in a child that sees none")
     monkeypatch.setattr(gpu, "DEVICE", "cpu")
     monkeypatch.setattr(gpu, "DTYPE", torch.float32)
-    monkeypatch.setattr(gpu, "_median_ms", lambda fn: (fn(), 1.0)[1])  # one call, "1 ms"
+    monkeypatch.setattr(gpu, "_median_ms", lambda fn, grad_to_none=None: (fn(), 1.0)[1])  # "1 ms"
     monkeypatch.setattr(gpu, "COPY_ELEMENTS", 1024)
     monkeypatch.setattr(gpu, "DECODE_SHAPES", [(2, 4, 2, 40)])
     monkeypatch.setattr(gpu, "DECODE_HEAD_DIM", 16)

@@ -15,7 +15,8 @@ Then CS336's leaderboard configuration (:data:`CS336`), forward and
 backward, beside SDPA's flash kernel, and the backward's GQA switch
 (``Techniques.split_group``) on :data:`GQA_BACKWARD`'s shapes. Each (rung
 or tile, d, causal) is one compile, whatever T; the rungs at every shape
-come before the tiles, so a short budget still measures the ladder.
+come before CS336's and the GQA rows, and they before the tiles, so a
+short budget still measures the ladder.
 Timings as in :mod:`mha.bench.gpu` (medians of
 ``triton.testing.do_bench``).
 """
@@ -191,6 +192,9 @@ def part_ladder(budget: float, args) -> dict:
                     q, k, v, causal, tiles, techniques
                 ),
             )  # fmt: skip
+    # CS336's shape and the backward's GQA switch before the tiles, whose
+    # sweep takes whatever time is left
+    cs336, gqa_backward = _cs336(deadline), _gqa_backward(deadline)
     for t, d, causal in shapes:  # the tiles, at the top rung that ran
         q, k, v, exact = inputs(t, d, causal)
         shape = {"T": t, "d": d, "causal": causal, "B": q.shape[0],
@@ -217,8 +221,8 @@ def part_ladder(budget: float, args) -> dict:
         "skipped": skipped,
         "ratios": ladder_ratios(rows),
         "best_tiles": best_tiles(rows),
-        "cs336": _cs336(deadline),
-        "gqa_backward": _gqa_backward(deadline),
+        "cs336": cs336,
+        "gqa_backward": gqa_backward,
     }
 
 
@@ -317,7 +321,9 @@ def _cs336(deadline: float) -> dict:
             fn(*leaves).backward(grad)
 
         try:
-            result[f"{name}_forward_backward_ms"] = gpu._median_ms(step)
+            result[f"{name}_forward_backward_ms"] = gpu._median_ms(
+                step, grad_to_none=leaves
+            )
         except Exception as error:  # noqa: BLE001
             result[f"{name}_status"] = f"{type(error).__name__}: {error}"[:200]
     gpu._free()
