@@ -881,8 +881,16 @@ def _compiled_row(model, ids, new, reference, theirs: float) -> dict:
         },
         "bytes_per_token": per_token,
         "achieved_gbs": per_token * new / seconds / 1e9,
-        "copy_ceiling_gbs": _copy_ceiling(),
+        "copy_ceiling_gbs": _measured(_copy_ceiling),
     }
+
+
+def _measured(fn: Callable[[], float]) -> float | str:
+    """``fn()``, or what stopped it (the row's other numbers are kept)."""
+    try:
+        return fn()
+    except Exception as error:  # noqa: BLE001 - recorded, with its name
+        return f"{type(error).__name__}: {str(error)[:200]}"
 
 
 def _syncs_per_step(model, ids, cache: str) -> int | None:
