@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -206,7 +207,7 @@ def test_shard_holds_its_rows_and_columns():
 
 def test_bad_splits_raise_value_errors():
     with pytest.raises(ValueError, match=r"num_heads \(3\) must be divisible by world_size \(2\)"):
-        shard_heads(randomised(MultiHeadAttention(12, 3)), 0, 2)
+        shard_heads(randomised(MultiHeadAttention(12, 3, batch_first=True)), 0, 2)
     with pytest.raises(ValueError, match="rank must be below world_size"):
         shard_heads(mha_layer(), 2, 2)
     with pytest.raises(TypeError, match="world_size must be an int"):
@@ -217,6 +218,26 @@ def test_bad_splits_raise_value_errors():
         unfuse(torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match="self-attention"):
         unfuse(MultiHeadAttention(8, 2, kdim=3))
+
+
+@pytest.mark.parametrize(
+    "layer, refused",
+    [
+        (lambda: MultiHeadAttention(8, 2, batch_first=True, add_bias_kv=True), "add_bias_kv=True"),
+        (lambda: MultiHeadAttention(8, 2, batch_first=True, add_zero_attn=True), "add_zero_attn"),
+        (lambda: MultiHeadAttention(8, 2), "batch_first=False"),
+        (lambda: MultiHeadAttention(8, 2, batch_first=True, dropout=0.5), "dropout=0.5"),
+        (lambda: GroupedQueryAttention(8, 2, 1, window=3), "window=3"),
+        (lambda: GroupedQueryAttention(8, 2, 1, sinks=True), "sinks=True"),
+        (lambda: GroupedQueryAttention(8, 2, 1, qk_norm_eps=1e-6), "qk_norm_eps"),
+        (lambda: GroupedQueryAttention(8, 2, 1, dropout=0.1), "dropout=0.1"),
+    ],
+)
+def test_what_the_split_layer_does_not_implement_is_refused_by_name(layer, refused):
+    # each of these changes the layer's output, and the split layer computes none of them
+    for split in (unfuse, lambda layer: shard_heads(layer, 0, 2)):
+        with pytest.raises(ValueError, match="does not implement: " + re.escape(refused)):
+            split(layer())
 
 
 def test_dtensor_refuses_to_cut_a_key_value_head():

@@ -397,3 +397,26 @@ def _check_layer(layer: object) -> None:
             "layer must be a self-attention layer (kdim = vdim = embed_dim = "
             f"{layer.embed_dim}), got kdim={layer.kdim}, vdim={layer.vdim}"
         )
+    # what the split layer (projections, rotary positions, causal softmax)
+    # does not carry over: refused by name, never dropped
+    if isinstance(layer, MultiHeadAttention):
+        dropped = {
+            "add_bias_kv=True": layer.bias_k is not None,
+            "add_zero_attn=True": layer.add_zero_attn,
+            "batch_first=False (the split layer takes (B, T, D))": (
+                not layer.batch_first
+            ),
+        }
+    else:
+        dropped = {
+            f"window={layer.window}": layer.window is not None,
+            "sinks=True": layer.sinks is not None,
+            "qk_norm_eps (RMSNorm of q and k)": layer.q_norm is not None,
+        }
+    dropped[f"dropout={layer.dropout}"] = layer.dropout > 0
+    refused = [name for name, used in dropped.items() if used]
+    if refused:
+        raise ValueError(
+            "layer uses what the split layer does not implement: "
+            f"{', '.join(refused)}"
+        )
