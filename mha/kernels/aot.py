@@ -104,7 +104,7 @@ SWITCHED = ("forward", "split_kv")
 COUNTED = (
     "MUFU.EX2", "FMUL", "FFMA", "FADD", "FSEL", "FSETP", "ISETP",
     "LDGSTS",  # a thread's asynchronous copy, global to shared memory
-    "UTMALDG",  # a tile's copy by the copy engine (TMA), sm_90 on
+    "UTMALDG",  # a tile's copy by the TMA unit, sm_90 on
     "USETMAXREG",  # a warp group's register budget set (setmaxnreg, sm_90)
 )  # fmt: skip
 #: The PTX forms of the exponential: ``tl.exp`` becomes a multiply by

@@ -157,7 +157,7 @@ def _attend(
     ``start`` is a multiple of ``BLOCK_K``; ``q_first`` and ``q_last`` are
     the earliest and latest query of the tile's rows. With ``TMA`` too,
     the unmasked tiles are loaded through tensor descriptors (Hopper's
-    copy engine; the last stride 1, the others and the base 16-byte
+    TMA unit; the last stride 1, the others and the base 16-byte
     aligned: the caller checks). ``WARP_SPECIALIZE`` (with ``TMA``): one
     loop over every key tile, each loaded through the descriptors and
     masked, handed to Triton's warp specialisation.
@@ -295,7 +295,7 @@ def _key_tile(
             keep = keep & (cols[None, :] > rows[:, None] + offset - window)
         scores = tl.where(keep, scores, float("-inf"))  # (B_q, B_k)
     else:
-        if TMA:  # the copy engine: a tile per descriptor, padding dims 0
+        if TMA:  # the TMA unit: a tile per descriptor, padding dims 0
             k = k_head.load([first, 0])
             v = v_head.load([first, 0])
         elif HEAD_DIM == PADDED_DIM:

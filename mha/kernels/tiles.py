@@ -74,16 +74,18 @@ class Techniques:
       the causal diagonal, the ragged tail) and every tile that all the
       query tile's rows see whole runs with no mask and unmasked loads.
     * ``tma`` (with ``edge_masks``): the unmasked tiles loaded through
-      tensor descriptors, by the copy engine (TMA) of Hopper and later GPUs,
-      not by the threads' address arithmetic; the last stride of k and v
-      must be 1 and the others multiples of 16 bytes.
+      tensor descriptors, by the Tensor Memory Accelerator (TMA) of Hopper
+      and later GPUs, not by the threads' address arithmetic; the last
+      stride of k and v must be 1, the others and the base address
+      multiples of 16 bytes.
     * ``pack_group`` (``split_kv`` only): a tile's rows are the query heads
       of one GQA group times the queries, as the paged kernel's always are,
       so that each key tile is read once per group, not once per head.
     * ``costliest_first`` (``forward`` only): the grid's programs in order
       of cost, the last query tiles (a causal pass's longest) first, so
-      that the GPU, which starts programs in the grid's order, has only
-      short ones left to fit in at the end.
+      that the GPU, which is commonly observed to start programs in about
+      the grid's order (CUDA does not promise it), has only short ones
+      left to fit in at the end.
     * ``persistent`` (``forward``, with ``costliest_first``):
       :func:`persistent_programs` programs, not one per query tile, each
       looping over its share of the (query tile, batch, head) items, dealt
@@ -91,12 +93,13 @@ class Techniques:
       pass's work spread evenly without a launch per tile.
     * ``warp_specialize`` (``forward``, with ``tma``, not with
       ``persistent``): the loop over key tiles handed to Triton's warp
-      specialisation, which gives the copy engine's loads to a producer
-      warp and the products and the softmax to consumer warps, each with
-      its own registers (Hopper's ``setmaxnreg``). Triton specialises a
+      specialisation, which gives the TMA's loads to a producer warpgroup
+      (the 4 warps launched) and the products and the softmax to two
+      consumer warpgroups that Triton adds, half the query rows each, with
+      the producer's registers (Hopper's ``setmaxnreg``). Triton specialises a
       loop whose loads are all tensor descriptors and that no other loop
       of the kernel feeds, so the edges' loops are folded back into one:
-      every key tile through the copy engine, every tile masked.
+      every key tile through the TMA, every tile masked.
     * ``split_group`` (the backward of ``forward``): dk and dv computed by
       one program per key tile of each *query* head, not of each key/value
       head, into float32 shares summed over each GQA group afterwards: G
