@@ -612,9 +612,6 @@ def _check_split(seq_len, world_size, layout) -> tuple[int, int]:
     return seq_len, world_size
 
 
-_FIELDS = ("T_r", "B", "H", "H_kv", "d_k", "d_v", "dtype")
-
-
 def _ring(q, k, v, causal, layout, scale, group) -> _Ring:
     """Check that the processes agree, then lay out the ring."""
     if not (dist.is_available() and dist.is_initialized()):
