@@ -79,15 +79,13 @@ def test_the_cuda_tests_are_collected_from_their_files_alone() -> None:
     assert everything and collected(*files) == everything
 
 
-def test_the_compiler_compiles_every_shape_and_never_falls_back(monkeypatch) -> None:
+def test_the_compiler_compiles_every_shape_and_never_falls_back() -> None:
     # torch.compile keeps 8 versions of a function's code by default, then runs it uncompiled
     # without a word; gpu-check's settings compile each of 12 shapes, and past its own limit
     # a call raises
     import torch._dynamo
 
     config = torch._dynamo.config
-    for name in gpu.COMPILER_SETTINGS:
-        monkeypatch.setattr(config, name, getattr(config, name))  # restored afterwards
     traced = []
 
     def backend(graph, inputs):
@@ -97,17 +95,18 @@ def test_the_compiler_compiles_every_shape_and_never_falls_back(monkeypatch) -> 
     def double(x):
         return x * 2
 
-    applied = gpu.configure_compiler()
-    assert applied == gpu.COMPILER_SETTINGS
+    now = {name: getattr(config, name) for name in gpu.COMPILER_SETTINGS}
+    with config.patch(**now):  # this process's settings, restored on leaving
+        assert gpu.configure_compiler() == gpu.COMPILER_SETTINGS
+        torch._dynamo.reset()
+        compiled = torch.compile(double, backend=backend, dynamic=False)
+        for n in range(1, 13):
+            compiled(torch.ones(n))
+        assert len(traced) == 12
+        with config.patch(recompile_limit=12), pytest.raises(Exception, match="recompile_limit"):
+            compiled(torch.ones(13))
     torch._dynamo.reset()
-    compiled = torch.compile(double, backend=backend, dynamic=False)
-    for n in range(1, 13):
-        compiled(torch.ones(n))
-    assert len(traced) == 12
-    monkeypatch.setattr(config, "recompile_limit", 12)
-    with pytest.raises(Exception, match="recompile_limit"):
-        compiled(torch.ones(13))
-    torch._dynamo.reset()
+    assert {name: getattr(config, name) for name in now} == now
 
 
 #: The toy parts: on the CPU, in this process where no GPU is seen, else in a child that sees none.
