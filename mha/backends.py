@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._validate import check_int, check_same, check_tensor
+from ._validate import check_same, check_tensor, check_window
 from .caches import Cache, KVCache, PagedKVCache, cached_so_far
 
 __all__ = [
@@ -91,8 +91,7 @@ class Masking:
     sinks: Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.window is not None:
-            check_int("window", self.window)
+        check_window(self.window)  # None, or a positive int
 
     @classmethod
     def padded(cls, padding: Tensor | None, **fields) -> Masking:

@@ -56,6 +56,15 @@ def _paged(lengths, heads, kv_heads, t_q, d, block_size, dtype, seed=0, spare=3)
     return q, k_pool, v_pool, table.to(DEVICE), lens, keys, values
 
 
+def _implementation(name: str):
+    """The kernel ("triton"; skipped where Triton is missing) or its torch twin ("torch")."""
+    if name == "torch":
+        return paged_attention_torch
+    if not kernels.TRITON_AVAILABLE:
+        pytest.skip("triton is not installed")
+    return kernels.triton_paged_attention
+
+
 def _expected(q, keys, values, lengths, key_start=None, window=None):
     """Float64: query i of sequence b (position p = L_b - T_q + i) over keys max(key_start[b],
     p - window + 1) .. p; zeros for a query that sees no key."""
@@ -160,9 +169,7 @@ def test_the_kernel_reads_no_block_outside_the_table() -> None:
 
 @pytest.mark.parametrize("implementation", ["triton", "torch"])
 def test_bad_input_is_refused_by_name(implementation) -> None:
-    if implementation == "triton" and not kernels.TRITON_AVAILABLE:
-        pytest.skip("triton is not installed")
-    run = kernels.triton_paged_attention if implementation == "triton" else paged_attention_torch
+    run = _implementation(implementation)
     q = torch.zeros(2, 4, 1, 16, device=DEVICE)
     pool = torch.zeros(6, 16, 2, 16, device=DEVICE)
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
@@ -202,9 +209,7 @@ def test_bad_input_is_refused_by_name(implementation) -> None:
 def test_strided_lengths_and_table_entries_past_the_lengths(implementation) -> None:
     # seq_lens a strided view (every other element of a longer tensor: read as contiguous, row 1
     # would get length 1), and table entries past each length that name no block at all
-    if implementation == "triton" and not kernels.TRITON_AVAILABLE:
-        pytest.skip("triton is not installed")
-    run = kernels.triton_paged_attention if implementation == "triton" else paged_attention_torch
+    run = _implementation(implementation)
     lengths = [37, 5]
     q, k_pool, v_pool, table, lens, keys, values = _paged(lengths, 4, 2, 1, 16, 8, torch.float32)
     strided = torch.stack((lens, torch.ones_like(lens)), dim=1).flatten()[::2]  # [37, 5]
@@ -217,9 +222,7 @@ def test_strided_lengths_and_table_entries_past_the_lengths(implementation) -> N
 
 @pytest.mark.parametrize("implementation", ["triton", "torch"])
 def test_an_empty_batch_gives_an_empty_result(implementation) -> None:
-    if implementation == "triton" and not kernels.TRITON_AVAILABLE:
-        pytest.skip("triton is not installed")
-    run = kernels.triton_paged_attention if implementation == "triton" else paged_attention_torch
+    run = _implementation(implementation)
     q = torch.zeros(0, 4, 1, 16, device=DEVICE)
     pool = torch.zeros(6, 16, 2, 16, device=DEVICE)
     table = torch.zeros(0, 2, dtype=torch.int32, device=DEVICE)
@@ -416,9 +419,7 @@ def test_the_kernel_reads_no_pad_and_no_key_before_every_window() -> None:
 
 @pytest.mark.parametrize("implementation", ["triton", "torch"])
 def test_bad_masks_are_refused_by_name(implementation) -> None:
-    if implementation == "triton" and not kernels.TRITON_AVAILABLE:
-        pytest.skip("triton is not installed")
-    run = kernels.triton_paged_attention if implementation == "triton" else paged_attention_torch
+    run = _implementation(implementation)
     q = torch.zeros(2, 4, 1, 16, device=DEVICE)
     pool = torch.zeros(6, 16, 2, 16, device=DEVICE)
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
